@@ -1,0 +1,32 @@
+"""The bridge to the in-process engine (no daemon): imports streamer_service lazily.
+
+Rank containers that only talk to a daemon never import the service, its cloud
+SDKs or Run:ai; this module is the one place that does, on first embedded use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from .errors import ConfigError
+
+
+def service(module: str) -> ModuleType:
+    """Import ``streamer_service.<module>`` or say clearly what to install."""
+    try:
+        return importlib.import_module(f"streamer_service.{module}")
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.split(".")[0] == "streamer_service":
+            raise ConfigError(
+                "no streamer-service daemon is configured (STREAMER_SOCKET) and the streamer-service "
+                "package is not installed for in-process mode: pip install streamer-service"
+            ) from None
+        raise
+
+
+def settings(**overrides):
+    """The service settings, with per-call overrides (None means: keep the configured value)."""
+    base = service("settings").get_settings()
+    update = {k: v for k, v in overrides.items() if v is not None}
+    return base.model_copy(update=update) if update else base

@@ -1,0 +1,105 @@
+"""The ``streamer-service`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from streamer_client.errors import StreamerError
+
+from .settings import Settings, get_settings
+
+log = logging.getLogger("streamer_service")
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    update = {}
+    for field in ("cache_dir", "shm_dir", "socket"):
+        value = getattr(args, field, None)
+        if value is not None:
+            update[field] = Path(value)
+    return get_settings().model_copy(update=update) if update else get_settings()
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from .metadata import MetadataCache
+
+    settings = _settings(args)
+    # A CLI invocation is its own launch unless one is configured: `pull --force`
+    # typed twice in one shell re-downloads twice (docs/metadata-cache.md).
+    launch = args.launch_id or settings.launch_id or settings.torchelastic_run_id or f"cli-{os.getpid()}"
+    path = MetadataCache(settings).pull(args.uri, force=True if args.force else None, launch_id=launch)
+    print(path)
+    return 0
+
+
+def _not_built(issue: int) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        print(f"streamer-service {args.command}: not built yet (tracked in issue {issue})", file=sys.stderr)
+        return EXIT_USAGE
+
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="streamer-service",
+        description="Object-storage checkpoint streaming with node-local shared-memory fan-out.",
+    )
+    parser.add_argument("--log-level", help="DEBUG, INFO (default), WARNING, ERROR (STREAMER_LOG_LEVEL)")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    pull = sub.add_parser("pull", help="pull a checkpoint's config, tokenizer and code into the node cache")
+    pull.add_argument("uri", help="s3://bucket/prefix, gs://bucket/prefix, az://container/prefix or a local dir")
+    pull.add_argument("--cache-dir", help="cache root (STREAMER_CACHE_DIR)")
+    pull.add_argument("--force", action="store_true", help="re-pull once per launch (TRTLLM_OBJECT_STORAGE_FORCE_PULL)")
+    pull.add_argument("--launch-id", help="launch id for --force (STREAMER_LAUNCH_ID); default: this invocation")
+    pull.set_defaults(run=cmd_pull)
+
+    inspect = sub.add_parser("inspect", help="print the tensor table of a checkpoint")
+    inspect.add_argument("uri")
+    inspect.add_argument("--json", action="store_true", help="one JSON object per tensor")
+    inspect.set_defaults(run=_not_built(3))
+
+    serve = sub.add_parser("serve", help="run the node daemon")
+    serve.add_argument("--socket")
+    serve.add_argument("--cache-dir")
+    serve.add_argument("--shm-dir")
+    serve.add_argument("--shm-budget")
+    serve.add_argument("--allow", action="append", default=[])
+    serve.set_defaults(run=_not_built(4))
+
+    demo = sub.add_parser("demo", help="the main job on a sample checkpoint (no cloud needed)")
+    demo.set_defaults(run=_not_built(4))
+
+    bench = sub.add_parser("bench", help="side-by-side benchmark")
+    bench.set_defaults(run=_not_built(9))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        level = (args.log_level or get_settings().log_level).upper()
+    except Exception as exc:  # noqa: BLE001 - a bad STREAMER_* variable is a usage error
+        print(f"streamer-service: invalid configuration: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    try:
+        return args.run(args)
+    except StreamerError as exc:
+        print(f"streamer-service {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

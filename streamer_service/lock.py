@@ -1,0 +1,87 @@
+"""An inter-process file lock with a timeout and "still waiting" logs.
+
+``flock`` is released by the kernel when its holder dies, so a puller killed
+with SIGKILL never leaves the lock held. The lock only prevents doing work
+twice; correctness comes from the temp dir + rename in ``metadata``.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+
+from streamer_client.errors import CacheLockTimeoutError
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.05
+
+
+class FileLock:
+    """Exclusive lock on ``path`` (created if missing, never deleted).
+
+    ``what`` names the thing guarded, for log lines and the timeout error.
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        timeout_s: float,
+        log_interval_s: float,
+        what: str,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.path = path
+        self.timeout_s = timeout_s
+        self.log_interval_s = log_interval_s
+        self.what = what
+        self._clock = clock
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        start = next_log = self._clock()
+        next_log += self.log_interval_s
+        try:
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError as exc:
+                    if exc.errno not in (errno.EAGAIN, errno.EACCES):
+                        raise
+                now = self._clock()
+                if now - start >= self.timeout_s:
+                    raise CacheLockTimeoutError(
+                        f"gave up after {self.timeout_s:g} s waiting for lock {self.path} "
+                        f"held by another pull of {self.what}",
+                        uri=self.what,
+                    )
+                if now >= next_log:
+                    log.info("still waiting for lock %s (pull of %s, %.0f s so far)", self.path, self.what, now - start)
+                    next_log = now + self.log_interval_s
+                time.sleep(_POLL_S)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "FileLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.release()

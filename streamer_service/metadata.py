@@ -1,0 +1,269 @@
+"""The node's metadata cache: config, tokenizer and remote code of a checkpoint URI.
+
+Layout under the cache root (``STREAMER_CACHE_DIR``)::
+
+    <sha256 of normalized URI>/            the pulled files, as laid out under the prefix
+    <sha256 of normalized URI>/.runai_complete   JSON: what was pulled, when, by which launch
+    <sha256 of normalized URI>.lock        flock guarding pulls of that URI (beside, not inside)
+    .tmp-<sha256>-<pid>-<token>/           a pull in progress (removed if its puller died)
+
+Correctness comes from a per-process temp dir renamed into place, with the
+marker written last; the lock only keeps concurrent pullers from downloading
+twice. A dir without a marker is incomplete and is replaced by the next pull.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import secrets
+import shutil
+import socket
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path, PurePosixPath
+
+from streamer_client.errors import CacheError, ObjectChangedError, ObjectNotFoundError, StreamerError, UnsafeKeyError
+
+from .launch import resolve_launch_id
+from .lock import FileLock
+from .settings import Settings
+from .storage import ObjectInfo, Storage, open_storage
+from .uri import StorageURI, parse_uri
+
+__all__ = ["MARKER", "WEIGHT_SUFFIXES", "MetadataCache", "Marker", "is_weight", "safe_relative_path"]
+
+log = logging.getLogger(__name__)
+
+MARKER = ".runai_complete"
+MARKER_VERSION = 1
+
+# Files that hold weights (streamed, never pulled into the metadata cache).
+WEIGHT_SUFFIXES = (
+    ".safetensors", ".bin", ".pt", ".pth", ".gguf", ".ckpt", ".h5", ".msgpack",
+    ".tensors", ".onnx", ".onnx_data", ".ot", ".npz", ".pdparams",
+)  # fmt: skip
+
+
+def is_weight(name: str) -> bool:
+    return name.lower().endswith(WEIGHT_SUFFIXES)
+
+
+def safe_relative_path(name: str, uri: str) -> PurePosixPath:
+    """``name`` as a path that stays inside the cache dir, or :class:`UnsafeKeyError`.
+
+    Keys are untrusted: refuse absolute paths, ``.``/``..`` and empty segments,
+    backslashes (a path separator elsewhere), NUL and other control characters.
+    """
+    reason = None
+    if not name:
+        reason = "is empty"
+    elif "\x00" in name:
+        reason = "contains NUL"
+    elif any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in name):
+        reason = "contains control characters"
+    elif "\\" in name:
+        reason = "contains a backslash"
+    elif name.startswith("/"):
+        reason = "is absolute"
+    else:
+        parts = name.split("/")
+        if any(p in ("", ".", "..") for p in parts):
+            reason = "has an empty, '.' or '..' segment"
+        elif any(len(p.encode()) > 255 for p in parts):
+            reason = "has a segment longer than 255 bytes"
+    if reason:
+        raise UnsafeKeyError(f"refusing object key {name!r} under {uri}: it {reason}", uri=uri, key=name)
+    return PurePosixPath(name)
+
+
+@dataclass(frozen=True)
+class Marker:
+    """The parsed ``.runai_complete`` of a cache dir."""
+
+    uri: str
+    launch_id: str
+    files: tuple[ObjectInfo, ...]
+    weights: tuple[ObjectInfo, ...]
+    pulled_at: str
+
+    @classmethod
+    def read(cls, cache_dir: Path) -> "Marker | None":
+        """The marker, or None when absent or unreadable (an unreadable marker means incomplete)."""
+        try:
+            data = json.loads((cache_dir / MARKER).read_text(encoding="utf-8"))
+            if data.get("version") != MARKER_VERSION:
+                return None
+            return cls(
+                uri=data["uri"],
+                launch_id=data["launch_id"],
+                files=tuple(ObjectInfo(**f) for f in data["files"]),
+                weights=tuple(ObjectInfo(**f) for f in data["weights"]),
+                pulled_at=data["pulled_at"],
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def to_json(self) -> dict:
+        def objs(items):
+            return [{"name": o.name, "size": o.size, "etag": o.etag} for o in items]
+
+        return {
+            "version": MARKER_VERSION,
+            "uri": self.uri,
+            "launch_id": self.launch_id,
+            "pulled_at": self.pulled_at,
+            "pulled_by": {"host": socket.gethostname(), "pid": os.getpid()},
+            "files": objs(self.files),
+            "weights": objs(self.weights),
+        }
+
+
+class MetadataCache:
+    """Pulls non-weight files of checkpoint URIs into ``settings.cache_dir``."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.root = Path(settings.cache_dir)
+
+    def dir_for(self, uri: StorageURI) -> Path:
+        return self.root / uri.cache_key
+
+    def lock_path(self, uri: StorageURI) -> Path:
+        return self.root / f"{uri.cache_key}.lock"
+
+    def pull(self, uri: str | StorageURI, *, force: bool | None = None, launch_id: str | None = None) -> Path:
+        """Make the metadata of ``uri`` present locally; return its cache dir.
+
+        With a complete cache this reads one small file and touches no storage.
+        ``force`` (default: ``TRTLLM_OBJECT_STORAGE_FORCE_PULL``) re-downloads once per launch.
+        """
+        if not isinstance(uri, StorageURI):
+            uri = parse_uri(uri)
+        force = self.settings.force_pull if force is None else force
+        launch = resolve_launch_id(self.settings, launch_id)
+        final = self.dir_for(uri)
+        if self._usable(final, force, launch):
+            return final
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CacheError(f"cannot create cache dir {self.root}: {exc.strerror}", uri=uri.normalized) from None
+        lock = FileLock(
+            self.lock_path(uri),
+            timeout_s=self.settings.lock_timeout_s,
+            log_interval_s=self.settings.lock_log_interval_s,
+            what=uri.normalized,
+        )
+        with lock:
+            # Look again: the process we waited for may have finished the work.
+            if self._usable(final, force, launch):
+                log.debug("metadata of %s pulled by another process; reusing %s", uri, final)
+                return final
+            self._sweep(uri)
+            with open_storage(uri, self.settings) as storage:
+                self._pull_locked(uri, storage, final, launch)
+        return final
+
+    def _usable(self, final: Path, force: bool, launch: str) -> bool:
+        marker = Marker.read(final)
+        return marker is not None and (not force or marker.launch_id == launch)
+
+    def _sweep(self, uri: StorageURI) -> None:
+        """Remove temp and old dirs of ``uri`` left by dead pullers (we hold the lock: none is live)."""
+        for stale in self.root.glob(f".*-{uri.cache_key}-*"):
+            if stale.name.startswith((".tmp-", ".old-")):
+                log.info("removing %s left by an interrupted pull of %s", stale, uri)
+                shutil.rmtree(stale, ignore_errors=True)
+
+    def _pull_locked(self, uri: StorageURI, storage: Storage, final: Path, launch: str) -> None:
+        started = time.monotonic()
+        objects = storage.list_objects()
+        if not objects:
+            raise ObjectNotFoundError(f"no objects under {uri}", uri=uri.normalized)
+        files = [o for o in objects if not is_weight(o.name) and o.name != MARKER]
+        weights = [o for o in objects if is_weight(o.name)]
+        # Validate every key before the first download: a bad key costs no transfer.
+        paths = {o.name: safe_relative_path(o.name, uri.normalized) for o in files}
+        _refuse_file_dir_clashes(paths, uri)
+
+        token = f"{os.getpid()}-{secrets.token_hex(4)}"
+        tmp = self.root / f".tmp-{uri.cache_key}-{token}"
+        try:
+            tmp.mkdir()
+            total = 0
+            for obj in files:
+                total += self._download(storage, obj, tmp / paths[obj.name], uri)
+            self._swap_in(tmp, final, uri, token)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        marker = Marker(
+            uri=uri.normalized,
+            launch_id=launch,
+            files=tuple(files),
+            weights=tuple(weights),
+            pulled_at=datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+        )
+        self._write_marker(final, marker, uri)
+        log.info(
+            "pulled %d metadata files (%d bytes) of %s into %s in %.2f s (launch %s)",
+            len(files), total, uri, final, time.monotonic() - started, launch,
+        )  # fmt: skip
+
+    def _download(self, storage: Storage, obj: ObjectInfo, dest: Path, uri: StorageURI) -> int:
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            # O_EXCL | O_NOFOLLOW: never write through a link or over another key's file.
+            fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            with os.fdopen(fd, "wb") as out:
+                written = storage.download(obj, out)
+        except StreamerError:
+            raise
+        except OSError as exc:
+            raise _cache_error(exc, f"cannot write {obj.name!r} of {uri} into {dest.parent}", uri, obj.name) from None
+        if written != obj.size:
+            raise ObjectChangedError(
+                f"object {obj.name!r} of {uri} was {obj.size} bytes when listed but {written} when read",
+                uri=uri.normalized,
+                key=obj.name,
+            )
+        return written
+
+    def _swap_in(self, tmp: Path, final: Path, uri: StorageURI, token: str) -> None:
+        old = None
+        if final.exists():
+            # A previous (or forced-over, or incomplete) copy: move it aside, then rename ours in.
+            old = self.root / f".old-{uri.cache_key}-{token}"
+            os.rename(final, old)
+        os.rename(tmp, final)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def _write_marker(self, final: Path, marker: Marker, uri: StorageURI) -> None:
+        tmp = final / f"{MARKER}.tmp"
+        try:
+            tmp.write_text(json.dumps(marker.to_json(), indent=1), encoding="utf-8")
+            os.rename(tmp, final / MARKER)
+        except OSError as exc:
+            raise _cache_error(exc, f"cannot write {MARKER} in {final}", uri, MARKER) from None
+
+
+def _refuse_file_dir_clashes(paths: dict[str, PurePosixPath], uri: StorageURI) -> None:
+    """``a`` and ``a/b`` cannot both be files: refuse instead of failing half-way."""
+    dirs = {str(parent) for path in paths.values() for parent in path.parents if str(parent) != "."}
+    for name in paths:
+        if name in dirs:
+            raise UnsafeKeyError(
+                f"refusing object key {name!r} under {uri}: another key uses it as a directory",
+                uri=uri.normalized,
+                key=name,
+            )
+
+
+def _cache_error(exc: OSError, what: str, uri: StorageURI, key: str) -> CacheError:
+    reason = "no space left on the cache filesystem" if exc.errno == errno.ENOSPC else (exc.strerror or str(exc))
+    return CacheError(f"{what}: {reason}", uri=uri.normalized, key=key)

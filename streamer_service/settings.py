@@ -1,0 +1,116 @@
+"""Every setting of streamer-service, read from the environment once.
+
+This is the only module that reads ``os.environ`` for our own settings. Cloud
+SDKs keep reading their standard variables themselves (``AWS_ENDPOINT_URL``,
+``STORAGE_EMULATOR_HOST``, ``AZURE_STORAGE_CONNECTION_STRING``, ...); see
+docs/configuration.md for the full table.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import AliasChoices, ByteSize, Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+__all__ = ["Settings", "get_settings", "default_cache_dir"]
+
+
+def default_cache_dir() -> Path:
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".cache"
+    return base / "streamer-service"
+
+
+class Settings(BaseSettings):
+    """Service settings. Environment variables are ``STREAMER_<FIELD>`` unless noted."""
+
+    model_config = SettingsConfigDict(env_prefix="STREAMER_", extra="ignore", frozen=True, populate_by_name=True)
+
+    cache_dir: Path = Field(default_factory=default_cache_dir)
+    """Root of the metadata cache (one dir per URI hash)."""
+
+    shm_dir: Path = Path("/dev/shm")
+    """Where shared-memory segments live (daemon mode)."""
+
+    shm_budget: ByteSize = ByteSize(4 * 1024**3)
+    """Most bytes of tensor buffers in use at once (plus one oversized tensor)."""
+
+    slot_size: ByteSize = ByteSize(256 * 1024**2)
+    """Size of one buffer slot; tensors larger than this get their own allocation."""
+
+    socket: Path | None = None
+    """Unix socket of the node daemon."""
+
+    launch_id: str | None = None
+    """Explicit launch id (see docs/metadata-cache.md); default derived per process."""
+
+    torchelastic_run_id: str | None = Field(
+        default=None, validation_alias=AliasChoices("TORCHELASTIC_RUN_ID")
+    )
+    """Set by torchrun for every rank of one run: the launch id when STREAMER_LAUNCH_ID is unset."""
+
+    force_pull: bool = Field(
+        default=False,
+        validation_alias=AliasChoices("TRTLLM_OBJECT_STORAGE_FORCE_PULL", "STREAMER_FORCE_PULL"),
+    )
+    """Re-pull metadata once per launch even when the cache is complete."""
+
+    lock_timeout_s: float = Field(default=1800.0, gt=0)
+    """How long a puller waits for another process's pull of the same URI."""
+
+    lock_log_interval_s: float = Field(default=5.0, gt=0)
+    """How often a waiting puller logs that it is still waiting."""
+
+    storage_retries: int = Field(default=3, ge=0, le=20)
+    """Retries of one failed storage request (listing, metadata download, header read)."""
+
+    storage_connect_timeout_s: float = Field(default=5.0, gt=0)
+    """Connect timeout of one storage request."""
+
+    storage_read_timeout_s: float = Field(default=60.0, gt=0)
+    """Read timeout of one storage request."""
+
+    storage_retry_deadline_s: float = Field(default=60.0, gt=0)
+    """GCS only: total time one request may spend retrying (its SDK retries by deadline)."""
+
+    s3_addressing_style: Literal["auto", "path", "virtual"] = "auto"
+    """boto3's S3 addressing style; ``path`` for most S3-compatible servers."""
+
+    # Azure's account is not part of az:// URIs; these are the variables Run:ai's reader reads too.
+    azure_storage_connection_string: SecretStr | None = Field(
+        default=None, validation_alias=AliasChoices("AZURE_STORAGE_CONNECTION_STRING")
+    )
+    azure_storage_account_name: str | None = Field(default=None, validation_alias=AliasChoices("AZURE_STORAGE_ACCOUNT_NAME"))
+    azure_storage_account_key: SecretStr | None = Field(
+        default=None, validation_alias=AliasChoices("AZURE_STORAGE_ACCOUNT_KEY")
+    )
+    azure_storage_sas_token: SecretStr | None = Field(default=None, validation_alias=AliasChoices("AZURE_STORAGE_SAS_TOKEN"))
+    azure_storage_endpoint_suffix: str = Field(
+        default="core.windows.net", validation_alias=AliasChoices("AZURE_STORAGE_ENDPOINT_SUFFIX")
+    )
+
+    log_level: str = "INFO"
+
+    @field_validator("log_level")
+    @classmethod
+    def _level(cls, value: str) -> str:
+        value = value.upper()
+        if value not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
+            raise ValueError(f"unknown log level {value!r}")
+        return value
+
+    @field_validator("torchelastic_run_id")
+    @classmethod
+    def _run_id(cls, value: str | None) -> str | None:
+        # torchrun without a rendezvous id exports the literal "none".
+        return None if not value or value == "none" else value
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings, read once. Tests build ``Settings(...)`` directly."""
+    return Settings()

@@ -1,0 +1,124 @@
+"""Amazon S3 and S3-compatible stores through boto3.
+
+The endpoint comes from boto3's own configuration (``AWS_ENDPOINT_URL``,
+``AWS_ENDPOINT_URL_S3``, profiles), credentials from its standard chain.
+"""
+
+from __future__ import annotations
+
+from typing import BinaryIO
+
+import boto3
+import botocore.exceptions as bexc
+from botocore.config import Config
+
+from ..settings import Settings
+from ..uri import StorageURI
+from .base import ObjectInfo, Storage
+from .errors import Failure, storage_error
+
+_CHUNK = 8 * 1024 * 1024
+_NO_KEY = {"NoSuchKey", "404", "NotFound"}
+_DENIED = {"AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "AllAccessDisabled"}
+_UNAVAILABLE = (
+    bexc.EndpointConnectionError,
+    bexc.ConnectTimeoutError,
+    bexc.ReadTimeoutError,
+    bexc.ConnectionClosedError,
+    bexc.ProxyConnectionError,
+)
+
+
+class S3Storage(Storage):
+    def __init__(self, uri: StorageURI, settings: Settings) -> None:
+        super().__init__(uri)
+        config = Config(
+            retries={"max_attempts": settings.storage_retries + 1, "mode": "standard"},
+            connect_timeout=settings.storage_connect_timeout_s,
+            read_timeout=settings.storage_read_timeout_s,
+            s3={"addressing_style": settings.s3_addressing_style},
+        )
+        self._client = boto3.session.Session().client("s3", config=config)
+        self._bucket = uri.bucket
+
+    def _error(self, exc: Exception, key: str | None):
+        if isinstance(exc, bexc.NoCredentialsError):
+            kind, detail = Failure.DENIED, "no AWS credentials found"
+        elif isinstance(exc, _UNAVAILABLE):
+            kind, detail = Failure.UNAVAILABLE, str(exc)
+        elif isinstance(exc, bexc.ClientError):
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            detail = f"{code}: {exc.response.get('Error', {}).get('Message', '')}".strip(": ")
+            if code == "NoSuchBucket":
+                kind = Failure.NO_BUCKET
+            elif code in _NO_KEY:
+                kind = Failure.NO_KEY
+            elif code in _DENIED:
+                kind = Failure.DENIED
+            elif code in {"PreconditionFailed", "412"}:
+                kind = Failure.CHANGED
+            else:
+                kind = Failure.OTHER
+        else:
+            kind, detail = Failure.OTHER, f"{type(exc).__name__}: {exc}"
+        return storage_error(kind, uri=self.uri.normalized, bucket=self._bucket, key=key, detail=detail)
+
+    def _rel(self, key: str) -> str:
+        prefix = self.uri.prefix
+        return key[len(prefix) + 1 :] if prefix else key
+
+    def list_objects(self) -> list[ObjectInfo]:
+        prefix = f"{self.uri.prefix}/" if self.uri.prefix else ""
+        found: list[ObjectInfo] = []
+        try:
+            pages = self._client.get_paginator("list_objects_v2").paginate(Bucket=self._bucket, Prefix=prefix)
+            for page in pages:
+                for item in page.get("Contents", []):
+                    key = item["Key"]
+                    if key.endswith("/"):  # a "folder" placeholder object, not a file
+                        continue
+                    found.append(ObjectInfo(name=self._rel(key), size=int(item["Size"]), etag=item["ETag"].strip('"')))
+        except bexc.BotoCoreError as exc:
+            raise self._error(exc, None) from None
+        except bexc.ClientError as exc:
+            raise self._error(exc, None) from None
+        found.sort(key=lambda o: o.name)
+        return found
+
+    def stat(self, name: str) -> ObjectInfo:
+        key = self.uri.key_for(name)
+        try:
+            head = self._client.head_object(Bucket=self._bucket, Key=key)
+        except (bexc.BotoCoreError, bexc.ClientError) as exc:
+            raise self._error(exc, key) from None
+        return ObjectInfo(name=name, size=int(head["ContentLength"]), etag=head["ETag"].strip('"'))
+
+    def download(self, obj: ObjectInfo, dest: BinaryIO) -> int:
+        key = self.uri.key_for(obj.name)
+        written = 0
+        try:
+            # If-Match: an object replaced after the listing fails with 412 instead of mixing versions.
+            body = self._client.get_object(Bucket=self._bucket, Key=key, IfMatch=f'"{obj.etag}"')["Body"]
+            for chunk in body.iter_chunks(_CHUNK):
+                dest.write(chunk)
+                written += len(chunk)
+        except (bexc.BotoCoreError, bexc.ClientError) as exc:
+            raise self._error(exc, key) from None
+        return written
+
+    def read_range(self, name: str, offset: int, length: int) -> bytes:
+        if length <= 0:
+            return b""
+        key = self.uri.key_for(name)
+        try:
+            resp = self._client.get_object(Bucket=self._bucket, Key=key, Range=f"bytes={offset}-{offset + length - 1}")
+            return resp["Body"].read()
+        except bexc.ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") == "InvalidRange":
+                return b""
+            raise self._error(exc, key) from None
+        except bexc.BotoCoreError as exc:
+            raise self._error(exc, key) from None
+
+    def close(self) -> None:
+        self._client.close()

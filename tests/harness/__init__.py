@@ -1,0 +1,1 @@
+"""Test harness: storage emulators, a counting proxy, and per-test storage backends."""

@@ -1,0 +1,81 @@
+"""Ready-made fault hooks for ``CountingProxy.fault``, with the error bodies each cloud sends."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+from typing import Callable, Optional
+
+from .proxy import Fault, FaultHook, RecordedRequest
+
+__all__ = ["cloud_error", "denied_fault", "unavailable_fault", "first_n"]
+
+_S3_CODES = {403: ("AccessDenied", "Access Denied"), 503: ("SlowDown", "Please reduce your request rate.")}
+_AZ_CODES = {
+    403: ("AuthorizationPermissionMismatch", "This request is not authorized to perform this operation using this permission."),
+    503: ("ServerBusy", "The server is currently unable to receive requests. Please retry your request."),
+}
+_GCS_REASONS = {403: "forbidden", 503: "backendError"}
+
+
+def cloud_error(backend: str, status: int, method: str = "GET") -> Fault:
+    """A :class:`Fault` answering ``status`` with the error body and headers of ``backend``."""
+    if backend == "s3":
+        code, message = _S3_CODES.get(status, ("InternalError", "We encountered an internal error."))
+        body = (
+            '<?xml version="1.0" encoding="UTF-8"?>\n'
+            f"<Error><Code>{code}</Code><Message>{message}</Message>"
+            "<RequestId>INJECTED</RequestId></Error>"
+        ).encode()
+        headers = (("Content-Type", "application/xml"),)
+    elif backend == "gcs":
+        reason = _GCS_REASONS.get(status, "backendError")
+        message = f"injected {status} ({reason})"
+        body = json.dumps(
+            {"error": {"code": status, "message": message,
+                       "errors": [{"message": message, "domain": "global", "reason": reason}]}}
+        ).encode()
+        headers = (("Content-Type", "application/json; charset=UTF-8"),)
+    elif backend == "azure":
+        code, message = _AZ_CODES.get(status, ("InternalError", "The server encountered an internal error."))
+        body = (
+            '<?xml version="1.0" encoding="utf-8"?>'
+            f"<Error><Code>{code}</Code><Message>{message}\nRequestId:injected</Message></Error>"
+        ).encode()
+        headers = (("Content-Type", "application/xml"), ("x-ms-error-code", code))
+    else:
+        raise ValueError(f"no cloud error format for backend {backend!r}")
+    return Fault(status=status, body=b"" if method == "HEAD" else body, headers=headers)
+
+
+def _always(backend: str, status: int) -> FaultHook:
+    def hook(r: RecordedRequest) -> Optional[Fault]:
+        return cloud_error(backend, status, r.method)
+
+    return hook
+
+
+def denied_fault(backend: str) -> FaultHook:
+    """Every request answered 403 access denied, in the backend's own error format."""
+    return _always(backend, 403)
+
+
+def unavailable_fault(backend: str) -> FaultHook:
+    """Every request answered 503 (S3 SlowDown, GCS backendError, Azure ServerBusy)."""
+    return _always(backend, 503)
+
+
+def first_n(n: int, fault: FaultHook, when: Optional[Callable[[RecordedRequest], bool]] = None) -> FaultHook:
+    """Apply ``fault`` to the first ``n`` requests that match ``when`` (all by default); then forward."""
+    counter = itertools.count()
+    lock = threading.Lock()
+
+    def hook(r: RecordedRequest) -> Optional[Fault]:
+        if when is not None and not when(r):
+            return None
+        with lock:
+            i = next(counter)
+        return fault(r) if i < n else None
+
+    return hook

@@ -1,0 +1,47 @@
+import subprocess
+import sys
+
+import pytest
+
+CLI = [sys.executable, "-m", "streamer_service"]
+
+
+def run(*args, **kw):
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=120, **kw)
+
+
+def test_pull_prints_the_dir_last(tmp_path):
+    src = tmp_path / "model"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    (src / "model.safetensors").write_bytes(b"\0" * 16)
+    result = run("pull", str(src), "--cache-dir", str(tmp_path / "cache"))
+    assert result.returncode == 0, result.stderr
+    out = result.stdout.strip().splitlines()[-1]
+    assert out.startswith(str(tmp_path / "cache") + "/")
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir() if not p.name.endswith(".lock")) == [out.rsplit("/", 1)[1]]
+
+
+def test_pull_error_is_one_clear_line(tmp_path):
+    result = run("pull", "hdfs://nn/model")
+    assert result.returncode == 1
+    assert result.stderr.strip() == (
+        "streamer-service pull: error: unsupported URI scheme 'hdfs://' in 'hdfs://nn/model': "
+        "use s3://, gs://, az:// or a local directory"
+    )
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("command, issue", [("bench", 9)])
+def test_unbuilt_commands_say_so(command, issue):
+    result = run(command)
+    assert result.returncode == 2
+    assert f"not built yet (tracked in issue {issue})" in result.stderr
+
+
+def test_bad_setting_is_a_usage_error(tmp_path):
+    import os
+
+    result = run("pull", str(tmp_path), env={**os.environ, "STREAMER_LOCK_TIMEOUT_S": "soon"})
+    assert result.returncode == 2
+    assert "invalid configuration" in result.stderr and "lock_timeout_s" in result.stderr
