@@ -40,6 +40,16 @@ def cmd_pull(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from .catalog import format_jsonl, format_table
+    from .checkpoint import open_checkpoint
+
+    checkpoint = open_checkpoint(args.uri, _settings(args))
+    text = format_jsonl(checkpoint.catalog) if args.json else format_table(checkpoint.catalog)
+    sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    return 0
+
+
 def _not_built(issue: int) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         print(f"streamer-service {args.command}: not built yet (tracked in issue {issue})", file=sys.stderr)
@@ -66,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = sub.add_parser("inspect", help="print the tensor table of a checkpoint")
     inspect.add_argument("uri")
     inspect.add_argument("--json", action="store_true", help="one JSON object per tensor")
-    inspect.set_defaults(run=_not_built(3))
+    inspect.add_argument("--cache-dir", help="cache root (STREAMER_CACHE_DIR)")
+    inspect.set_defaults(run=cmd_inspect)
 
     serve = sub.add_parser("serve", help="run the node daemon")
     serve.add_argument("--socket")

@@ -141,13 +141,19 @@ class MetadataCache:
         With a complete cache this reads one small file and touches no storage.
         ``force`` (default: ``TRTLLM_OBJECT_STORAGE_FORCE_PULL``) re-downloads once per launch.
         """
+        return self.pull_marker(uri, force=force, launch_id=launch_id)[0]
+
+    def pull_marker(
+        self, uri: str | StorageURI, *, force: bool | None = None, launch_id: str | None = None
+    ) -> tuple[Path, Marker]:
+        """:meth:`pull`, also returning the marker (the listing the catalog is built from)."""
         if not isinstance(uri, StorageURI):
             uri = parse_uri(uri)
         force = self.settings.force_pull if force is None else force
         launch = resolve_launch_id(self.settings, launch_id)
         final = self.dir_for(uri)
-        if self._usable(final, force, launch):
-            return final
+        if (marker := self._usable(final, force, launch)) is not None:
+            return final, marker
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -160,17 +166,19 @@ class MetadataCache:
         )
         with lock:
             # Look again: the process we waited for may have finished the work.
-            if self._usable(final, force, launch):
+            if (marker := self._usable(final, force, launch)) is not None:
                 log.debug("metadata of %s pulled by another process; reusing %s", uri, final)
-                return final
+                return final, marker
             self._sweep(uri)
             with open_storage(uri, self.settings) as storage:
-                self._pull_locked(uri, storage, final, launch)
-        return final
+                marker = self._pull_locked(uri, storage, final, launch)
+        return final, marker
 
-    def _usable(self, final: Path, force: bool, launch: str) -> bool:
+    def _usable(self, final: Path, force: bool, launch: str) -> Marker | None:
         marker = Marker.read(final)
-        return marker is not None and (not force or marker.launch_id == launch)
+        if marker is None or (force and marker.launch_id != launch):
+            return None
+        return marker
 
     def _sweep(self, uri: StorageURI) -> None:
         """Remove temp and old dirs of ``uri`` left by dead pullers (we hold the lock: none is live)."""
@@ -179,7 +187,7 @@ class MetadataCache:
                 log.info("removing %s left by an interrupted pull of %s", stale, uri)
                 shutil.rmtree(stale, ignore_errors=True)
 
-    def _pull_locked(self, uri: StorageURI, storage: Storage, final: Path, launch: str) -> None:
+    def _pull_locked(self, uri: StorageURI, storage: Storage, final: Path, launch: str) -> Marker:
         started = time.monotonic()
         objects = storage.list_objects()
         if not objects:
@@ -213,6 +221,7 @@ class MetadataCache:
             "pulled %d metadata files (%d bytes) of %s into %s in %.2f s (launch %s)",
             len(files), total, uri, final, time.monotonic() - started, launch,
         )  # fmt: skip
+        return marker
 
     def _download(self, storage: Storage, obj: ObjectInfo, dest: Path, uri: StorageURI) -> int:
         try:

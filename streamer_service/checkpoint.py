@@ -1,0 +1,76 @@
+"""A checkpoint ready to stream: its metadata dir and its tensor table.
+
+Opening a checkpoint pulls its metadata (a no-op when cached) and builds the
+catalog from the listing recorded in ``.runai_complete``. The catalog is cached
+beside the metadata dir as ``<sha256>.catalog.json``, keyed by a fingerprint
+of the safetensors objects and the index (names, sizes, ETags), so a second
+open reads no header from storage and a changed shard misses the cache.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+
+from streamer_client.errors import CheckpointError
+
+from .catalog import Catalog, build_catalog
+from .metadata import MetadataCache
+from .settings import Settings
+from .storage import open_storage
+from .uri import StorageURI, parse_uri
+
+__all__ = ["Checkpoint", "open_checkpoint"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    uri: StorageURI
+    metadata_dir: Path
+    catalog: Catalog
+
+
+def open_checkpoint(
+    uri: str | StorageURI, settings: Settings, *, force: bool | None = None, launch_id: str | None = None
+) -> Checkpoint:
+    if not isinstance(uri, StorageURI):
+        uri = parse_uri(uri)
+    cache = MetadataCache(settings)
+    metadata_dir, marker = cache.pull_marker(uri, force=force, launch_id=launch_id)
+    objects = [*marker.files, *marker.weights]
+    fingerprint = Catalog.fingerprint(objects)
+    cache_file = cache.root / f"{uri.cache_key}.catalog.json"
+    catalog = _load_cached(cache_file, fingerprint)
+    if catalog is None:
+        with open_storage(uri, settings) as storage:
+            catalog = build_catalog(storage, objects)
+        _store(cache_file, fingerprint, catalog)
+        log.info("catalog of %s: %d tensors, %d bytes in %d files", uri, len(catalog), catalog.total_bytes, len(catalog.files))
+    return Checkpoint(uri=uri, metadata_dir=metadata_dir, catalog=catalog)
+
+
+def _load_cached(path: Path, fingerprint: str) -> Catalog | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if data.get("fingerprint") != fingerprint:
+            return None
+        return Catalog.from_json(data["catalog"])
+    except (OSError, ValueError, KeyError, TypeError, CheckpointError):
+        return None  # absent, torn or from another version: rebuild
+
+
+def _store(path: Path, fingerprint: str, catalog: Catalog) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        tmp.write_text(json.dumps({"fingerprint": fingerprint, "catalog": catalog.to_json()}), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as exc:
+        # The cache is an optimization: a full or read-only disk costs header reads next time, nothing else.
+        log.warning("could not cache the catalog at %s: %s", path, exc)
+        tmp.unlink(missing_ok=True)
