@@ -88,7 +88,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(run=_not_built(4))
 
     demo = sub.add_parser("demo", help="the main job on a sample checkpoint (no cloud needed)")
-    demo.set_defaults(run=_not_built(4))
+    from . import demo as demo_module
+
+    demo_module.add_arguments(demo)
+    demo.set_defaults(run=demo_module.run)
 
     bench = sub.add_parser("bench", help="side-by-side benchmark")
     bench.set_defaults(run=_not_built(9))

@@ -31,7 +31,7 @@ _REMOVED_VARS = (
     "STORAGE_EMULATOR_HOST",
     "CLOUD_STORAGE_EMULATOR_ENDPOINT",
 )
-_REMOVED_PREFIXES = ("AWS_", "GOOGLE_", "GCLOUD_", "AZURE_")
+_REMOVED_PREFIXES = ("STREAMER_", "AWS_", "GOOGLE_", "GCLOUD_", "AZURE_")
 
 
 def _clear_settings_cache() -> None:
@@ -47,8 +47,11 @@ def _clear_settings_cache() -> None:
 
 @pytest.fixture(autouse=True)
 def isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Per-test cache and shm dirs; no daemon socket, launch id or cloud credentials."""
+    """Per-test cache and shm dirs; no other STREAMER_* setting (daemon socket, launch id...),
+    no torchrun/TRT-LLM variables, no cloud credentials or endpoints from the machine."""
     for name in list(os.environ):
+        if name.startswith("STREAMER_TEST_"):  # harness settings (e.g. STREAMER_TEST_AZURITE_DIR)
+            continue
         if name in _REMOVED_VARS or name.startswith(_REMOVED_PREFIXES):
             monkeypatch.delenv(name, raising=False)
     # Keep the SDKs away from the developer's own config and credential files.

@@ -131,6 +131,35 @@ def test_sdk_reads_through_proxy_are_counted(cloud_backend):
     assert b.proxy.count() == 0 and b.proxy.requests == []
 
 
+def _sdk_write(backend, key: str, data: bytes) -> None:
+    """Upload through the proxy with an SDK configured from ``os.environ``."""
+    import io
+
+    if backend.name == "s3":
+        import boto3
+
+        boto3.client("s3").upload_fileobj(io.BytesIO(data), backend.bucket, key)  # streaming, checksummed
+    elif backend.name == "gcs":
+        from google.cloud import storage
+
+        storage.Client().bucket(backend.bucket).blob(key).upload_from_string(data)  # > 8 MiB: resumable
+    else:
+        from azure.storage.blob import BlobServiceClient
+
+        svc = BlobServiceClient.from_connection_string(
+            os.environ["AZURE_STORAGE_CONNECTION_STRING"], max_single_put_size=4 * 1024 * 1024
+        )
+        svc.get_blob_client(backend.bucket, key).upload_blob(data)  # staged blocks + commit
+
+
+def test_sdk_writes_through_proxy(cloud_backend):
+    data = os.urandom(9 * 1024 * 1024)
+    _sdk_write(cloud_backend, "up/big.bin", data)
+    assert cloud_backend.get("up/big.bin") == data
+    writes = cloud_backend.proxy.count(method="PUT") + cloud_backend.proxy.count(method="POST")
+    assert writes >= 1 and all(r.status < 300 for r in cloud_backend.proxy.requests)
+
+
 def test_gcs_listed_blob_downloads_stay_on_proxy(gcs_service):
     """fake-gcs-server's mediaLink must name the proxy, or SDK downloads of listed/reloaded
     blobs would bypass it."""
@@ -275,6 +304,18 @@ def test_proxy_forwards_methods_bodies_and_keeps_alive(echo_proxy):
     assert echo_proxy.count(has_range=True) == 1 and echo_proxy.count(method="put") == 1
     assert echo_proxy.count(path_contains="/a/") == 1
     assert all(r.status == 200 for r in echo_proxy.requests)
+
+
+def test_proxy_retries_a_stale_upstream_connection(echo_proxy, monkeypatch):
+    monkeypatch.setattr(_Echo, "timeout", 0.2)  # upstream closes idle keep-alive connections
+    conn = http.client.HTTPConnection("127.0.0.1", echo_proxy.port, timeout=10)
+    for i in range(3):
+        conn.request("GET", f"/n{i}")
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.read().startswith(f"GET /n{i}".encode())
+        time.sleep(0.4)
+    conn.close()
+    assert [r.status for r in echo_proxy.requests] == [200, 200, 200]
 
 
 def test_proxy_delay_and_upstream_down():

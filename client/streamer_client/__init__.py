@@ -3,17 +3,28 @@
 Public API (the names other projects rely on)::
 
     pull_metadata(uri, *, cache_dir=None, force=None) -> pathlib.Path
+    stream(uri, *, select=None, rank=0, world_size=1, device="cpu", socket=None, ...)
+        -> iterator of (name, torch.Tensor)
+    load_state_dict(uri, **same) -> dict[str, torch.Tensor]
 """
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import errors
 from .errors import StreamerError
 
-__all__ = ["pull_metadata", "errors", "StreamerError", "__version__"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["pull_metadata", "stream", "load_state_dict", "errors", "StreamerError", "__version__"]
+
+log = logging.getLogger(__name__)
 
 __version__ = "0.1.0"
 
@@ -36,3 +47,68 @@ def pull_metadata(
     metadata = service("metadata")
     cfg = settings(cache_dir=Path(cache_dir) if cache_dir is not None else None)
     return metadata.MetadataCache(cfg).pull(uri, force=force, launch_id=launch_id)
+
+
+def _names(value: str | Sequence[str] | None) -> list[str] | None:
+    if value is None:
+        return None
+    return [value] if isinstance(value, str) else list(value)
+
+
+def stream(
+    uri: str | os.PathLike,
+    *,
+    select: str | Sequence[str] | None = None,
+    priority: str | Sequence[str] | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    device: str = "cpu",
+    socket: str | os.PathLike | None = None,
+    borrowed: bool = False,
+    budget: int | str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    launch_id: str | None = None,
+) -> Iterator[tuple[str, "torch.Tensor"]]:
+    """Stream the tensors of checkpoint ``uri``: ``(name, tensor)`` in checkpoint order.
+
+    ``select`` takes tensor names and/or name prefixes (default: every tensor);
+    ``priority`` prefixes are delivered first. A name or prefix that matches
+    nothing, a duplicate or an overlap raises ``SelectionError`` here, before any
+    tensor data is read.
+
+    Tensors are safe to keep. ``borrowed=True`` yields zero-copy CPU views that
+    stay valid only until the next item is requested (docs/client.md).
+    ``device="cuda:N"`` yields tensors on that GPU.
+
+    ``rank``/``world_size`` identify this process among the ranks of a launch on
+    this node; they matter in daemon mode, where the node reads the union of the
+    ranks' selections once. Without a daemon this process reads its own selection.
+    """
+    if not (0 <= rank < world_size):
+        from .errors import ConfigError
+
+        raise ConfigError(f"rank {rank} is outside world_size {world_size}")
+    from ._embedded import service, settings
+
+    cfg = settings(
+        cache_dir=Path(cache_dir) if cache_dir is not None else None,
+        shm_budget=budget,
+    )
+    return service("embedded").stream(
+        os.fspath(uri) if isinstance(uri, os.PathLike) else uri,
+        cfg,
+        select=_names(select),
+        priority=_names(priority),
+        device=device,
+        borrowed=borrowed,
+        launch_id=launch_id,
+    )
+
+
+def load_state_dict(uri: str | os.PathLike, **kwargs) -> dict[str, "torch.Tensor"]:
+    """Every selected tensor of ``uri`` in a dict (takes the arguments of :func:`stream`)."""
+    if kwargs.get("borrowed"):
+        from .errors import ConfigError
+
+        raise ConfigError("load_state_dict keeps every tensor: borrowed views cannot be kept")
+    return dict(stream(uri, **kwargs))

@@ -26,7 +26,15 @@ def service(module: str) -> ModuleType:
 
 
 def settings(**overrides):
-    """The service settings, with per-call overrides (None means: keep the configured value)."""
-    base = service("settings").get_settings()
+    """The service settings, with per-call overrides (None means: keep the configured value).
+
+    Overrides are validated like the environment is (``budget="8GiB"`` works, a bad one raises).
+    """
+    module = service("settings")
     update = {k: v for k, v in overrides.items() if v is not None}
-    return base.model_copy(update=update) if update else base
+    if not update:
+        return module.get_settings()
+    try:
+        return module.Settings(**update)
+    except ValueError as exc:  # pydantic's ValidationError
+        raise ConfigError(f"invalid argument: {exc}") from None

@@ -16,6 +16,7 @@ builtin, so callers can catch what they already know::
     │   ├── StorageAccessDeniedError (PermissionError) credentials missing or refused
     │   ├── StorageUnavailableError (ConnectionError)  endpoint unreachable, timeouts
     │   └── ObjectChangedError                 an object changed while we read it
+    ├── BorrowedTensorError (RuntimeError)    a borrowed view was still in use when its buffer was due for reuse
     ├── CacheError (OSError)                  the local cache dir cannot be written (disk full, ...)
     └── CacheLockTimeoutError (TimeoutError)  another puller held the cache lock too long
 
@@ -38,6 +39,7 @@ __all__ = [
     "StorageAccessDeniedError",
     "StorageUnavailableError",
     "ObjectChangedError",
+    "BorrowedTensorError",
     "CacheError",
     "CacheLockTimeoutError",
 ]
@@ -105,6 +107,13 @@ class StorageUnavailableError(StorageError, ConnectionError):
 
 class ObjectChangedError(StorageError):
     """An object changed (ETag or size) between two reads of one pull or load."""
+
+
+class BorrowedTensorError(StreamerError, RuntimeError):
+    """A ``borrowed=True`` tensor was still referenced when its buffer was about to be reused.
+
+    Raised instead of overwriting memory the caller can still see (docs/client.md).
+    """
 
 
 class CacheError(StreamerError, OSError):

@@ -1,0 +1,34 @@
+"""In-process mode: the client API without a daemon (one process, no shared memory)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from .checkpoint import open_checkpoint
+from .engine import EmbeddedEngine, EngineConfig
+from .settings import Settings
+
+__all__ = ["stream"]
+
+
+def stream(
+    uri: str,
+    settings: Settings,
+    *,
+    select: Sequence[str] | None = None,
+    priority: Sequence[str] | None = None,
+    device: str | torch.device = "cpu",
+    borrowed: bool = False,
+    launch_id: str | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` pairs of ``uri`` in plan order.
+
+    Everything that can be refused — the URI, the checkpoint, the selection, the
+    device — is refused here, before the first byte of tensor data is read.
+    """
+    checkpoint = open_checkpoint(uri, settings, launch_id=launch_id)
+    engine = EmbeddedEngine(checkpoint.uri, checkpoint.catalog, EngineConfig.from_settings(settings))
+    plan = engine.plan(list(select) if select is not None else None, list(priority) if priority else None)
+    return engine.stream(plan, device=device, borrowed=borrowed)

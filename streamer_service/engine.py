@@ -1,0 +1,492 @@
+"""The embedded engine: plan -> Run:ai reads straight into our buffers -> tensors, in one process.
+
+Data path (DESIGN.md 3): every batch of the plan gets a buffer we allocated;
+Run:ai's native reader writes each range directly into it (no copy through
+Python); tensors are built over those bytes in plan order.
+
+Buffers:
+
+- A ring of at most ``budget // slot_bytes`` slots, allocated lazily, each as
+  large as the plan's largest slot batch (at most ``slot_size``). Slots are
+  private anonymous ``mmap`` s: page-aligned (so the plan's range alignment
+  holds in memory), backed by transparent huge pages where the kernel allows
+  (fresh memory is filled only as fast as it can be faulted in), and returned
+  to the OS as soon as the last view of them is gone (freed malloc blocks can
+  linger in the RSS).
+- An oversized tensor gets a dedicated buffer of its own; at most one is
+  engine-owned at a time, so buffer memory stays within ``budget`` plus one
+  oversized tensor. ``stats.peak_buffer_bytes`` measures exactly that.
+
+In flight: batches are submitted in plan order as long as a buffer is free,
+so up to ``budget // slot_bytes`` Run:ai submissions (plus one oversized) run
+concurrently; a slot is refilled as soon as its batch has been delivered.
+Batches complete in any order; they are delivered in plan order.
+
+Delivery modes (DESIGN.md 3.6, safe by default):
+
+- default: each tensor is copied once out of the ring into a fresh tensor
+  (that copy is the price of reusing slots in one process); the caller keeps
+  it as long as it likes. Oversized tensors are handed over without a copy:
+  their buffer is never reused.
+- ``borrowed=True``: zero-copy CPU views into the ring, valid only until the
+  next item is requested. When a slot is about to be reused, every view
+  handed out from it must be gone; if the caller kept one,
+  :class:`BorrowedTensorError` is raised instead of overwriting it. Blind spot:
+  the item yielded last cannot be told apart from the caller's loop variable,
+  which still holds it, so keeping only that one is not detected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from streamer_client.dtypes import torch_dtype
+from streamer_client.errors import BorrowedTensorError, CheckpointError, ConfigError, StorageError
+
+from .catalog import Catalog
+from .header import TensorInfo
+from .plan import DEFAULT_ALIGN, Batch, BatchKind, Placement, Plan, build_plan
+from .plan import select as select_tensors
+from .runai import FileReads, NativeReader, RangeResult, ReadRange, S3Credentials
+from .settings import Settings
+from .uri import StorageURI
+
+__all__ = [
+    "BUFFERED_FS_STRATEGY",
+    "BorrowedTensorError",
+    "EmbeddedEngine",
+    "EngineConfig",
+    "EngineStats",
+]
+
+# Run:ai 0.17.0 defaults to "io_uring_direct,libaio_direct,sync_buffered": O_DIRECT, which bypasses
+# the page cache. Checkpoints are usually read from a cache that was just filled (a download, a
+# previous load, a local NVMe copy), so buffered reads win: 6.24 vs 1.1 GB/s on the H200 machine
+# (DESIGN.md 6), 12 vs 3 GB/s here with a warm 1 GB file. io_uring first (it faulted fresh buffers
+# in ~4x faster than the synchronous reader here); sync_buffered where io_uring is unavailable
+# (seccomp in many containers). RUNAI_STREAMER_FS_STRATEGY, when set, still wins (see runai.py).
+BUFFERED_FS_STRATEGY = "io_uring_buffered,sync_buffered"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What one engine may use: ``budget`` bytes of buffers in slots of at most ``slot_size``."""
+
+    budget: int
+    slot_size: int
+    align: int = DEFAULT_ALIGN
+    fs_strategy: str | None = BUFFERED_FS_STRATEGY
+    s3_credentials: S3Credentials | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.budget, int) or self.budget <= 0:
+            raise ConfigError(f"buffer budget must be a positive number of bytes, got {self.budget!r}")
+        if not isinstance(self.slot_size, int) or not 0 < self.slot_size <= self.budget:
+            raise ConfigError(
+                f"slot size must be positive and at most the budget ({self.budget}), got {self.slot_size!r}"
+            )
+        if self.align <= 0 or self.align & (self.align - 1) or mmap.PAGESIZE % self.align:
+            # Buffers are page-aligned mmaps, so congruence holds for any power of two up to a page.
+            raise ConfigError(f"alignment must be a power of two dividing {mmap.PAGESIZE}, got {self.align!r}")
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> EngineConfig:
+        """The settings' budget and slot size; a slot larger than the budget shrinks to it."""
+        budget = int(settings.shm_budget)
+        return cls(budget=budget, slot_size=min(int(settings.slot_size), budget))
+
+
+@dataclass
+class EngineStats:
+    """Counters of one engine, over all its streams."""
+
+    buffer_bytes: int = 0  # engine-owned buffer bytes right now
+    peak_buffer_bytes: int = 0
+    bytes_read: int = 0  # written into our buffers by Run:ai
+    bytes_copied: int = 0  # copied out of ring slots (safe mode, device copies)
+    tensors: int = 0
+    submissions: int = 0
+    peak_in_flight: int = 0  # submissions in flight at once
+
+    def allocated(self, nbytes: int) -> None:
+        self.buffer_bytes += nbytes
+        self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes)
+
+    def released(self, nbytes: int) -> None:
+        self.buffer_bytes -= nbytes
+
+
+ReaderFactory = Callable[..., NativeReader]
+
+
+class EmbeddedEngine:
+    """Streams one checkpoint's tensors in-process (no daemon, no shared memory).
+
+    Each :meth:`stream` has its own ring and reader and may use the whole budget: run one at a
+    time to stay within it. ``reader_factory`` builds the Run:ai reader (keyword arguments
+    ``s3_credentials`` and ``fs_strategy``); tests may replace it.
+    """
+
+    def __init__(
+        self,
+        uri: StorageURI,
+        catalog: Catalog,
+        config: EngineConfig,
+        *,
+        reader_factory: ReaderFactory = NativeReader,
+    ) -> None:
+        self.uri = uri
+        self.catalog = catalog
+        self.config = config
+        self.stats = EngineStats()
+        self._reader_factory = reader_factory
+
+    def plan(self, select: list[str] | None = None, priority: list[str] | None = None) -> Plan:
+        """Select (names / prefixes, see :func:`streamer_service.plan.select`) and plan for this
+        engine's slots. Raises :class:`SelectionError` without reading anything."""
+        tensors = select_tensors(self.catalog.tensors, select, priority)
+        return build_plan(tensors, self.config.slot_size, align=self.config.align)
+
+    def stream(
+        self, plan: Plan, *, device: str | torch.device = "cpu", borrowed: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` for every tensor of ``plan``, in plan order.
+
+        Arguments are checked here, before anything is read; reading starts at the first ``next``.
+        A storage failure raises the :class:`StorageError` Run:ai reported, naming the file and
+        byte range; no tensor of the failed batch is yielded.
+        """
+        target = _resolve_device(device)
+        if borrowed and target.type != "cpu":
+            raise ConfigError(f"borrowed views are CPU memory; device {device!r} needs a copy anyway")
+        self._check_plan(plan)
+        return self._run(plan, target, borrowed)
+
+    def _check_plan(self, plan: Plan) -> None:
+        if plan.slot_size > self.config.slot_size:
+            raise ConfigError(
+                f"plan has slots of {plan.slot_size} bytes but this engine's slot size is {self.config.slot_size}"
+            )
+        if mmap.PAGESIZE % plan.align:
+            raise ConfigError(f"plan alignment {plan.align} does not divide the page size {mmap.PAGESIZE}")
+        for tensor in plan.tensors:
+            try:
+                torch_dtype(tensor.dtype)
+            except TypeError as exc:
+                raise CheckpointError(f"tensor {tensor.name!r}: {exc}", key=tensor.name) from None
+
+    def _run(self, plan: Plan, device: torch.device, borrowed: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        stream = _Stream(self.uri, plan, self._ring_for(plan), self.stats, device, borrowed)
+        try:
+            with self._open_reader() as reader:
+                yield from stream.run(reader)
+        finally:
+            # After runai_end: only now is no read in flight into any of these buffers.
+            stream.close()
+
+    def _ring_for(self, plan: Plan) -> _Ring:
+        slot_batches = sum(b.kind is BatchKind.SLOT and b.buffer_bytes > 0 for b in plan.batches)
+        slot_bytes = plan.slot_bytes
+        count = min(self.config.budget // slot_bytes, slot_batches) if slot_bytes else 0
+        return _Ring(slot_bytes, count, self.stats)
+
+    def _open_reader(self) -> NativeReader:
+        # The filesystem strategy means nothing to object storage; leave Run:ai's state untouched there.
+        fs_strategy = self.config.fs_strategy if self.uri.is_local else None
+        return self._reader_factory(s3_credentials=self.config.s3_credentials, fs_strategy=fs_strategy)
+
+    def __repr__(self) -> str:
+        return f"EmbeddedEngine({self.uri.normalized!r}, {self.config}, {self.stats})"
+
+
+def _resolve_device(device: str | torch.device) -> torch.device:
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise ConfigError(f"unusable device {device!r}: {exc}") from None
+    if target.type == "cpu":
+        return target
+    if target.type != "cuda":
+        raise ConfigError(f"device {device!r}: only 'cpu' and 'cuda[:N]' are supported")
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"device {device!r} requested but CUDA is not available (torch {torch.__version__}, "
+            f"built with CUDA {torch.version.cuda})"
+        )
+    index = torch.cuda.current_device() if target.index is None else target.index
+    if index >= torch.cuda.device_count():
+        raise ConfigError(f"device {device!r}: only {torch.cuda.device_count()} CUDA devices are visible")
+    return torch.device("cuda", index)
+
+
+# --------------------------------------------------------------------------- buffers
+
+
+_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
+
+
+class _HostBuffer:
+    """Anonymous page-aligned memory that Run:ai writes into.
+
+    The numpy array holds a buffer export of the mmap, and every tensor built over it holds the
+    array, so the mapping lives exactly as long as its last view. (``torch.frombuffer`` would
+    not do: it holds no export, and the mapping could be closed under the tensor.)
+    """
+
+    __slots__ = ("array", "address", "nbytes")
+
+    def __init__(self, nbytes: int) -> None:
+        # Private: Python's default for anonymous maps is MAP_SHARED, i.e. shmem, which gets no
+        # transparent huge pages (shmem has its own THP switch, off by default).
+        memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if _HUGEPAGE is not None:
+            # Fresh buffers are filled only as fast as their pages fault in: ~2 GB/s here with
+            # 4 KiB pages, ~12 GB/s with transparent huge pages. numpy advises large arrays the
+            # same way, which is why Run:ai's own buffers get them. Advice only: a kernel without
+            # THP refuses it and the buffer works as before.
+            with contextlib.suppress(OSError):
+                memory.madvise(_HUGEPAGE)
+        self.array = np.frombuffer(memory, dtype=np.uint8)
+        self.address = self.array.ctypes.data
+        self.nbytes = nbytes
+
+    def view(self, offset: int, nbytes: int) -> np.ndarray:
+        return self.array[offset : offset + nbytes]
+
+
+@dataclass(eq=False)
+class _Slot:
+    buffer: _HostBuffer
+    # (tensor name, weakref to the numpy view a borrowed tensor was built on), since last filled.
+    leases: list[tuple[str, weakref.ref]] = field(default_factory=list)
+
+
+class _Ring:
+    """At most ``count`` slots of ``slot_bytes``, allocated on first use and reused."""
+
+    def __init__(self, slot_bytes: int, count: int, stats: EngineStats) -> None:
+        self.slot_bytes = slot_bytes
+        self.count = count
+        self._stats = stats
+        self._free: list[_Slot] = []
+        self._allocated = 0
+
+    def acquire(self) -> _Slot | None:
+        """A free slot, or ``None`` while every slot is in use."""
+        if self._free:
+            return self._free.pop()
+        if self._allocated == self.count:
+            return None
+        self._allocated += 1
+        self._stats.allocated(self.slot_bytes)
+        return _Slot(_HostBuffer(self.slot_bytes))
+
+    def release(self, slot: _Slot, in_hand: weakref.ref | None) -> None:
+        """Take a delivered slot back; refuse (and never reuse it) while borrowed views live.
+
+        ``in_hand`` is the view of the item yielded last, which the caller's loop variable
+        legitimately still holds.
+        """
+        kept = [name for name, ref in slot.leases if ref is not in_hand and ref() is not None]
+        if kept:
+            raise BorrowedTensorError(
+                f"{len(kept)} borrowed tensor(s) are still referenced when their buffer is about to be "
+                f"reused (first: {kept[0]!r}); a borrowed=True tensor is valid only until the next item "
+                "is requested: .clone() what you keep, or stream without borrowed=True",
+                key=kept[0],
+            )
+        slot.leases.clear()
+        self._free.append(slot)
+
+    def close(self) -> None:
+        """Drop every slot (their memory goes once no borrowed view holds it)."""
+        self._stats.released(self._allocated * self.slot_bytes)
+        self._free.clear()
+        self._allocated = 0
+
+
+# --------------------------------------------------------------------------- one stream
+
+
+@dataclass(eq=False)
+class _Load:
+    """One batch on its way: its buffer, and what Run:ai has answered so far."""
+
+    batch: Batch
+    buffer: _HostBuffer | None
+    slot: _Slot | None
+    remaining: int  # ranges not answered yet
+    failed: RangeResult | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.remaining == 0
+
+
+class _Stream:
+    """Keeps batches in flight as buffers allow; delivers their tensors in plan order."""
+
+    def __init__(
+        self,
+        uri: StorageURI,
+        plan: Plan,
+        ring: _Ring,
+        stats: EngineStats,
+        device: torch.device,
+        borrowed: bool,
+    ) -> None:
+        self._uri = uri
+        self._ring = ring
+        self._stats = stats
+        self._device = device
+        self._borrowed = borrowed
+        self._pending: deque[Batch] = deque(plan.batches)
+        self._loads: deque[_Load] = deque()  # submitted, in plan order
+        self._by_submission: dict[int, _Load] = {}
+        self._oversized: _HostBuffer | None = None  # the one engine-owned dedicated buffer
+        self._in_hand: weakref.ref | None = None
+
+    def run(self, reader: NativeReader) -> Iterator[tuple[str, torch.Tensor]]:
+        while self._pending or self._loads:
+            self._fill(reader)
+            load = self._loads.popleft()
+            self._wait_for(load, reader)
+            if load.failed is not None:
+                raise self._failure(load)
+            yield from self._deliver(load)
+            if load.slot is not None:
+                self._ring.release(load.slot, self._in_hand)
+
+    def close(self) -> None:
+        self._ring.close()
+        if self._oversized is not None:
+            self._stats.released(self._oversized.nbytes)
+            self._oversized = None
+
+    # -------------------------------------------------------------- loading
+
+    def _fill(self, reader: NativeReader) -> None:
+        while self._pending:
+            load = self._allocate(self._pending[0])
+            if load is None:
+                break
+            self._pending.popleft()
+            if load.remaining:
+                self._submit(load, reader)
+            self._loads.append(load)
+        if not self._loads:  # everything delivered was released, so the head must find a buffer
+            raise RuntimeError("engine bug: no batch in flight and none could be given a buffer")
+
+    def _allocate(self, batch: Batch) -> _Load | None:
+        if not batch.ranges:
+            return _Load(batch, None, None, 0)
+        if batch.kind is BatchKind.SLOT:
+            slot = self._ring.acquire()
+            return None if slot is None else _Load(batch, slot.buffer, slot, len(batch.ranges))
+        if self._oversized is not None:
+            return None
+        self._oversized = _HostBuffer(batch.buffer_bytes)
+        self._stats.allocated(batch.buffer_bytes)
+        return _Load(batch, self._oversized, None, len(batch.ranges))
+
+    def _submit(self, load: _Load, reader: NativeReader) -> None:
+        submission = reader.submit(self._file_reads(load), keepalive=load.buffer)
+        self._by_submission[submission] = load
+        self._stats.submissions += 1
+        self._stats.peak_in_flight = max(self._stats.peak_in_flight, len(self._by_submission))
+
+    def _file_reads(self, load: _Load) -> list[FileReads]:
+        """The batch's ranges grouped by file, as Run:ai takes them, with absolute destinations."""
+        by_file: dict[str, list[ReadRange]] = {}
+        for r in load.batch.ranges:
+            read = ReadRange(r.offset, r.nbytes, load.buffer.address + r.buffer_offset)
+            by_file.setdefault(self._uri.child(r.file), []).append(read)
+        return [FileReads(path, tuple(reads)) for path, reads in by_file.items()]
+
+    def _wait_for(self, load: _Load, reader: NativeReader) -> None:
+        if load.done:
+            return
+        for result in reader.responses():
+            self._record(result)
+            if load.done:
+                return
+
+    def _record(self, result: RangeResult) -> None:
+        load = self._by_submission[result.submission]
+        load.remaining -= 1
+        if result.error is None:
+            self._stats.bytes_read += result.range.nbytes
+        elif load.failed is None:
+            load.failed = result
+        if load.done:
+            del self._by_submission[result.submission]
+
+    def _failure(self, load: _Load) -> StorageError:
+        """The storage error of a failed batch, naming the tensors the failed range held."""
+        failed = load.failed
+        names = [
+            p.tensor.name
+            for p in load.batch.placements
+            if p.tensor.nbytes
+            and self._uri.child(p.tensor.file) == failed.path
+            and p.tensor.offset < failed.range.end
+            and p.tensor.end > failed.range.offset
+        ]
+        shown = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        error = failed.error
+        return type(error)(f"{error.message}; tensors {shown}", uri=error.uri, key=names[0] if names else None)
+
+    # -------------------------------------------------------------- delivery
+
+    def _deliver(self, load: _Load) -> Iterator[tuple[str, torch.Tensor]]:
+        for placement in load.batch.placements:
+            tensor = self._materialize(load, placement)
+            self._stats.tensors += 1
+            yield placement.tensor.name, tensor
+            del tensor  # hold no reference of ours while the caller works
+        if load.batch.kind is BatchKind.OVERSIZED:
+            # Handed over (CPU) or copied (device): no longer ours either way.
+            self._stats.released(load.buffer.nbytes)
+            self._oversized = None
+
+    def _materialize(self, load: _Load, placement: Placement) -> torch.Tensor:
+        info = placement.tensor
+        if load.buffer is None:  # empty tensor: no bytes were read
+            return torch.empty(info.shape, dtype=torch_dtype(info.dtype), device=self._device)
+        view = load.buffer.view(placement.buffer_offset, info.nbytes)
+        if self._device.type == "cpu" and load.batch.kind is BatchKind.OVERSIZED:
+            return _as_tensor(view, info)  # a dedicated buffer is never reused: no copy needed
+        if self._borrowed:
+            return self._lend(load.slot, view, info)
+        return self._copy(view, info)
+
+    def _lend(self, slot: _Slot, view: np.ndarray, info: TensorInfo) -> torch.Tensor:
+        ref = weakref.ref(view)
+        slot.leases.append((info.name, ref))
+        self._in_hand = ref
+        return _as_tensor(view, info)
+
+    def _copy(self, view: np.ndarray, info: TensorInfo) -> torch.Tensor:
+        out = torch.empty(info.shape, dtype=torch_dtype(info.dtype), device=self._device)
+        # Synchronous for pageable source memory, so the slot may be reused once this returns.
+        _bytes_of(out).copy_(torch.from_numpy(view))
+        self._stats.bytes_copied += info.nbytes
+        return out
+
+
+def _as_tensor(view: np.ndarray, info: TensorInfo) -> torch.Tensor:
+    """A tensor over ``view``'s bytes (no copy); holds ``view``, which holds the buffer."""
+    return torch.from_numpy(view).view(torch_dtype(info.dtype)).reshape(info.shape)
+
+
+def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    # Flatten first: a 0-d tensor cannot change to a dtype of another element size.
+    return tensor.reshape(-1).view(torch.uint8)
