@@ -9,6 +9,8 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from streamer_client.errors import StreamerError
 
 from .settings import Settings, get_settings
@@ -20,12 +22,13 @@ EXIT_USAGE = 2
 
 
 def _settings(args: argparse.Namespace) -> Settings:
+    """The environment's settings with this command's flags on top, validated alike."""
     update = {}
-    for field in ("cache_dir", "shm_dir", "socket"):
+    for field in ("cache_dir", "shm_dir", "socket", "shm_budget", "allow"):
         value = getattr(args, field, None)
-        if value is not None:
-            update[field] = Path(value)
-    return get_settings().model_copy(update=update) if update else get_settings()
+        if value not in (None, []):
+            update[field] = value
+    return Settings(**update) if update else get_settings()
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
@@ -47,6 +50,29 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     checkpoint = open_checkpoint(args.uri, _settings(args))
     text = format_jsonl(checkpoint.catalog) if args.json else format_table(checkpoint.catalog)
     sys.stdout.write(text if text.endswith("\n") else text + "\n")
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .server import serve
+
+    return serve(_settings(args), socket_mode=0o660 if args.group_access else 0o600)
+
+
+def cmd_health(args: argparse.Namespace) -> int:
+    from streamer_client.daemon import DaemonClient
+
+    settings = _settings(args)
+    path = Path(settings.socket) if settings.socket else None
+    if path is None:
+        from .server import DEFAULT_SOCKET
+
+        path = DEFAULT_SOCKET
+    client = DaemonClient(path, connect_timeout_s=2.0)
+    try:
+        print(client.call("/readyz" if args.ready else "/healthz")["status"])
+    finally:
+        client.close()
     return 0
 
 
@@ -80,12 +106,18 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.set_defaults(run=cmd_inspect)
 
     serve = sub.add_parser("serve", help="run the node daemon")
-    serve.add_argument("--socket")
-    serve.add_argument("--cache-dir")
-    serve.add_argument("--shm-dir")
-    serve.add_argument("--shm-budget")
-    serve.add_argument("--allow", action="append", default=[])
-    serve.set_defaults(run=_not_built(4))
+    serve.add_argument("--socket", help="unix socket to serve on (STREAMER_SOCKET)")
+    serve.add_argument("--cache-dir", help="metadata cache root (STREAMER_CACHE_DIR)")
+    serve.add_argument("--shm-dir", help="shared-memory dir shared with the ranks (STREAMER_SHM_DIR)")
+    serve.add_argument("--shm-budget", help="most shared memory in use, e.g. 16GiB (STREAMER_SHM_BUDGET)")
+    serve.add_argument("--allow", action="append", default=[], metavar="PREFIX", help="URI prefix the daemon may read (repeatable)")
+    serve.add_argument("--group-access", action="store_true", help="socket mode 0660 instead of 0600")
+    serve.set_defaults(run=cmd_serve)
+
+    health = sub.add_parser("health", help="ask the daemon whether it is up (exit 0) or ready (--ready)")
+    health.add_argument("--socket")
+    health.add_argument("--ready", action="store_true")
+    health.set_defaults(run=cmd_health)
 
     demo = sub.add_parser("demo", help="the main job on a sample checkpoint (no cloud needed)")
     from . import demo as demo_module
@@ -111,6 +143,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except StreamerError as exc:
         print(f"streamer-service {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    except ValidationError as exc:
+        print(f"streamer-service {args.command}: invalid setting: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
 

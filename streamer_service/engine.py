@@ -28,6 +28,13 @@ Delivery modes (DESIGN.md 3.6, safe by default):
   (that copy is the price of reusing slots in one process); the caller keeps
   it as long as it likes. Oversized tensors are handed over without a copy:
   their buffer is never reused.
+- ``device="cuda:N"``: ring slots are page-locked once (first use) and reused;
+  each batch's copies are queued ``non_blocking`` on the stream's own CUDA
+  stream (:class:`streamer_client.cuda.PinnedCopier`), overlapping the reads
+  into other slots, and the caller's current stream waits for them before the
+  first tensor is yielded. A slot (or oversized buffer) goes back to the ring
+  only once its copies have completed. Oversized buffers are used once, so
+  they are copied pageable (pinning costs about what it saves).
 - ``borrowed=True``: zero-copy CPU views into the ring, valid only until the
   next item is requested. When a slot is about to be reused, every view
   handed out from it must be gone; if the caller kept one,
@@ -39,6 +46,7 @@ Delivery modes (DESIGN.md 3.6, safe by default):
 from __future__ import annotations
 
 import contextlib
+import functools
 import mmap
 import weakref
 from collections import deque
@@ -48,6 +56,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from streamer_client.cuda import PinnedCopier
 from streamer_client.dtypes import torch_dtype
 from streamer_client.errors import BorrowedTensorError, CheckpointError, ConfigError, StorageError
 
@@ -353,23 +362,31 @@ class _Stream:
         self._by_submission: dict[int, _Load] = {}
         self._oversized: _HostBuffer | None = None  # the one engine-owned dedicated buffer
         self._in_hand: weakref.ref | None = None
+        self._copier = PinnedCopier(device) if device.type == "cuda" else None
 
     def run(self, reader: NativeReader) -> Iterator[tuple[str, torch.Tensor]]:
         while self._pending or self._loads:
+            if self._copier is not None:
+                self._copier.poll()  # slots whose device copies have completed go back to the ring
             self._fill(reader)
             load = self._loads.popleft()
             self._wait_for(load, reader)
             if load.failed is not None:
                 raise self._failure(load)
             yield from self._deliver(load)
-            if load.slot is not None:
+            if load.slot is not None and self._copier is None:  # device copies release their own
                 self._ring.release(load.slot, self._in_hand)
 
     def close(self) -> None:
-        self._ring.close()
-        if self._oversized is not None:
-            self._stats.released(self._oversized.nbytes)
-            self._oversized = None
+        copier, self._copier = self._copier, None
+        try:
+            if copier is not None:
+                copier.close()  # waits for copies in flight, recycles their buffers, unpins the slots
+        finally:
+            self._ring.close()
+            if self._oversized is not None:
+                self._stats.released(self._oversized.nbytes)
+                self._oversized = None
 
     # -------------------------------------------------------------- loading
 
@@ -377,6 +394,9 @@ class _Stream:
         while self._pending:
             load = self._allocate(self._pending[0])
             if load is None:
+                # With device copies every buffer may be waiting for its copies: wait for the oldest.
+                if not self._loads and self._copier is not None and self._copier.wait_one():
+                    continue
                 break
             self._pending.popleft()
             if load.remaining:
@@ -447,6 +467,9 @@ class _Stream:
     # -------------------------------------------------------------- delivery
 
     def _deliver(self, load: _Load) -> Iterator[tuple[str, torch.Tensor]]:
+        if self._copier is not None:
+            yield from self._deliver_to_device(load)
+            return
         for placement in load.batch.placements:
             tensor = self._materialize(load, placement)
             self._stats.tensors += 1
@@ -455,6 +478,28 @@ class _Stream:
         if load.batch.kind is BatchKind.OVERSIZED:
             # Handed over (CPU) or copied (device): no longer ours either way.
             self._stats.released(load.buffer.nbytes)
+            self._oversized = None
+
+    def _deliver_to_device(self, load: _Load) -> Iterator[tuple[str, torch.Tensor]]:
+        """Queue every copy of the batch, fence them, hand the buffer back once they completed."""
+        copier = self._copier
+        if load.slot is not None:
+            copier.register(load.buffer.address, load.buffer.nbytes)  # once per slot: a lookup after that
+        copies = deque((p.tensor.name, self._materialize(load, p)) for p in load.batch.placements)
+        fence = copier.fence()  # the caller's stream waits for these copies; the host does not
+        if load.slot is not None:
+            copier.release_after(functools.partial(self._ring.release, load.slot, None), fence)
+        elif load.batch.kind is BatchKind.OVERSIZED:
+            copier.release_after(functools.partial(self._drop_oversized, load.buffer), fence)
+        while copies:
+            name, tensor = copies.popleft()
+            self._stats.tensors += 1
+            yield name, tensor
+            del tensor
+
+    def _drop_oversized(self, buffer: _HostBuffer) -> None:
+        if self._oversized is buffer:
+            self._stats.released(buffer.nbytes)
             self._oversized = None
 
     def _materialize(self, load: _Load, placement: Placement) -> torch.Tensor:
@@ -475,9 +520,12 @@ class _Stream:
         return _as_tensor(view, info)
 
     def _copy(self, view: np.ndarray, info: TensorInfo) -> torch.Tensor:
-        out = torch.empty(info.shape, dtype=torch_dtype(info.dtype), device=self._device)
-        # Synchronous for pageable source memory, so the slot may be reused once this returns.
-        _bytes_of(out).copy_(torch.from_numpy(view))
+        if self._copier is not None:
+            # Queued on the copier's stream; the buffer is kept until the batch's fence completes.
+            out = self._copier.copy(torch.from_numpy(view), torch_dtype(info.dtype), info.shape)
+        else:
+            out = torch.empty(info.shape, dtype=torch_dtype(info.dtype), device=self._device)
+            _bytes_of(out).copy_(torch.from_numpy(view))
         self._stats.bytes_copied += info.nbytes
         return out
 

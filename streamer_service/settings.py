@@ -93,6 +93,16 @@ class Settings(BaseSettings):
         default="core.windows.net", validation_alias=AliasChoices("AZURE_STORAGE_ENDPOINT_SUFFIX")
     )
 
+    allow: list[str] = Field(default_factory=list)
+    """URI prefixes the daemon may read (``--allow``, repeatable; JSON list in the environment).
+    Empty: any URI (the daemon logs a warning)."""
+
+    join_timeout_s: float = Field(default=300.0, gt=0)
+    """How long the ranks of a session have to join before the daemon gives up on it."""
+
+    rank_timeout_s: float = Field(default=30.0, gt=0)
+    """A rank silent this long (dead, hung) is reclaimed: its leases released, the others go on."""
+
     log_level: str = "INFO"
 
     @field_validator("log_level")

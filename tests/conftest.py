@@ -3,6 +3,8 @@
 ``backend`` runs a test on local files, S3 (moto), GCS (fake-gcs-server) and Azure (Azurite);
 ``cloud_backend`` on the three clouds only. Each emulator is started on first use and stopped
 at the end of the session. A missing emulator fails the tests: run ``scripts/bootstrap``.
+``azure_tls`` is a container on an HTTPS Azurite that Run:ai's Azure reader can read from inside
+a private mount namespace (tests/harness/azure_tls.py; root only, else skipped).
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from pathlib import Path
 import pytest
 
 if __package__:  # tests/ is a package (tests/__init__.py)
+    from .harness import azure_tls as _azure_tls
     from .harness.backends import SERVICES, Backend, LocalBackend
 else:  # rootdir-relative: tests/ itself is on sys.path
+    from harness import azure_tls as _azure_tls
     from harness.backends import SERVICES, Backend, LocalBackend
 
 BACKENDS = ["local", "s3", "gcs", "azure"]
@@ -98,6 +102,21 @@ def azure_service(emulator_log_dir):
     yield from _service("azure", emulator_log_dir)
 
 
+@pytest.fixture(scope="session")
+def azure_tls_service(emulator_log_dir):
+    """Azurite over HTTPS plus a private mount namespace that trusts it, for code that reads
+    through Run:ai's Azure reader (see tests/harness/azure_tls.py). Skips only without root or
+    ``unshare``; any other failure to build it fails the tests."""
+    reason = _azure_tls.skip_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    svc = _azure_tls.AzureTLSService(log_dir=emulator_log_dir)
+    try:
+        yield svc
+    finally:
+        svc.stop()
+
+
 # --------------------------------------------------------------------------- backends
 
 
@@ -124,5 +143,14 @@ def backend(request, isolated_env, tmp_path, monkeypatch):
 def cloud_backend(request, isolated_env, tmp_path, monkeypatch):
     """Like ``backend``, on the three cloud emulators only."""
     b = _make_backend(request, request.param, tmp_path, monkeypatch)
+    yield b
+    b.close()
+
+
+@pytest.fixture
+def azure_tls(azure_tls_service, isolated_env):
+    """A fresh container on the HTTPS Azurite; run code under test with ``azure_tls.python``
+    (inside the namespace, with ``azure_tls.env``)."""
+    b = azure_tls_service.new_backend()
     yield b
     b.close()

@@ -10,14 +10,16 @@ Public API (the names other projects rely on)::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import errors
+from . import _config, errors
 from .errors import StreamerError
+from .launch import resolve_launch_id
 
 if TYPE_CHECKING:
     import torch
@@ -42,11 +44,45 @@ def pull_metadata(
     ``force=None`` follows ``TRTLLM_OBJECT_STORAGE_FORCE_PULL``; a forced pull
     re-downloads once per launch (see docs/metadata-cache.md).
     """
+    client = _daemon(None)
+    if client is not None:
+        with contextlib.closing(client):
+            body = {"uri": os.fspath(uri), "force": force, "launch_id": launch_id or _launch_id()}
+            return Path(client.call("/v1/metadata", body, read_timeout=None)["path"])
     from ._embedded import service, settings
 
     metadata = service("metadata")
     cfg = settings(cache_dir=Path(cache_dir) if cache_dir is not None else None)
     return metadata.MetadataCache(cfg).pull(uri, force=force, launch_id=launch_id)
+
+
+_said_embedded = False
+
+
+def _launch_id() -> str:
+    cfg = _config.client_config()
+    return resolve_launch_id(None, cfg.launch_id, cfg.torchelastic_run_id)
+
+
+def _daemon(socket: str | os.PathLike | None):
+    """A client for the configured daemon, or None (in-process mode, logged once)."""
+    global _said_embedded
+    cfg = _config.client_config()
+    path = Path(socket) if socket is not None else cfg.socket
+    if path is not None:
+        from .daemon import DaemonClient
+
+        client = DaemonClient(path, connect_timeout_s=cfg.connect_timeout_s)
+        if client.reachable():
+            return client
+        client.close()
+    if not _said_embedded:
+        _said_embedded = True
+        if path is not None:
+            log.warning("no streamer daemon answers at %s; loading in-process instead", path)
+        else:
+            log.info("no streamer daemon configured (STREAMER_SOCKET); loading in-process")
+    return None
 
 
 def _names(value: str | Sequence[str] | None) -> list[str] | None:
@@ -68,6 +104,7 @@ def stream(
     budget: int | str | None = None,
     cache_dir: str | os.PathLike | None = None,
     launch_id: str | None = None,
+    session: str | None = None,
 ) -> Iterator[tuple[str, "torch.Tensor"]]:
     """Stream the tensors of checkpoint ``uri``: ``(name, tensor)`` in checkpoint order.
 
@@ -82,12 +119,36 @@ def stream(
 
     ``rank``/``world_size`` identify this process among the ranks of a launch on
     this node; they matter in daemon mode, where the node reads the union of the
-    ranks' selections once. Without a daemon this process reads its own selection.
+    ranks' selections once. ``session`` names the ranks' shared load (default: the
+    launch id and the URI). Without a daemon this process reads its own selection.
+
+    The daemon is found through ``socket`` or ``STREAMER_SOCKET``; with none
+    reachable this runs in-process (and says so once in the log).
     """
     if not (0 <= rank < world_size):
         from .errors import ConfigError
 
         raise ConfigError(f"rank {rank} is outside world_size {world_size}")
+    uri = os.fspath(uri) if isinstance(uri, os.PathLike) else uri
+    client = _daemon(socket)
+    if client is not None:
+        from .daemon import daemon_stream
+        from .devices import resolve_device
+
+        launch = launch_id or _launch_id()
+        return daemon_stream(
+            client,
+            shm_dir=_config.client_config().shm_dir,
+            uri=uri,
+            session=session or f"{launch}:{uri}",
+            rank=rank,
+            world_size=world_size,
+            select=_names(select),
+            priority=_names(priority),
+            device=resolve_device(device),
+            borrowed=borrowed,
+            launch_id=launch,
+        )
     from ._embedded import service, settings
 
     cfg = settings(

@@ -16,6 +16,8 @@ builtin, so callers can catch what they already know::
     │   ├── StorageAccessDeniedError (PermissionError) credentials missing or refused
     │   ├── StorageUnavailableError (ConnectionError)  endpoint unreachable, timeouts
     │   └── ObjectChangedError                 an object changed while we read it
+    ├── SessionError (RuntimeError)           a load session the daemon refused or gave up on
+    ├── DaemonError (ConnectionError)         the node daemon is unreachable or went away
     ├── BorrowedTensorError (RuntimeError)    a borrowed view was still in use when its buffer was due for reuse
     ├── CacheError (OSError)                  the local cache dir cannot be written (disk full, ...)
     └── CacheLockTimeoutError (TimeoutError)  another puller held the cache lock too long
@@ -39,6 +41,8 @@ __all__ = [
     "StorageAccessDeniedError",
     "StorageUnavailableError",
     "ObjectChangedError",
+    "SessionError",
+    "DaemonError",
     "BorrowedTensorError",
     "CacheError",
     "CacheLockTimeoutError",
@@ -107,6 +111,15 @@ class StorageUnavailableError(StorageError, ConnectionError):
 
 class ObjectChangedError(StorageError):
     """An object changed (ETag or size) between two reads of one pull or load."""
+
+
+class SessionError(StreamerError, RuntimeError):
+    """The daemon refused a join (world size mismatch, rank joined twice, not allowed) or gave up
+    on a session (ranks missing at the join timeout, this rank reclaimed after its lease lapsed)."""
+
+
+class DaemonError(StreamerError, ConnectionError):
+    """The node daemon could not be reached, went away mid-load, or answered nonsense."""
 
 
 class BorrowedTensorError(StreamerError, RuntimeError):

@@ -19,6 +19,7 @@ import platform
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -169,7 +170,8 @@ def _tail(path: Path, limit: int = 4000) -> str:
 class EmulatorProcess:
     """One emulator child process on ``127.0.0.1:port``.
 
-    ``start()`` launches it and polls ``ready_path`` over HTTP until any HTTP answer arrives;
+    ``start()`` launches it and polls ``ready_path`` over HTTP until any HTTP answer arrives
+    (over HTTPS, verified with ``tls``, when ``tls`` is an :class:`ssl.SSLContext`);
     ``stop()`` sends SIGTERM, then SIGKILL after ``stop_timeout`` seconds, and reaps it.
     """
 
@@ -185,6 +187,7 @@ class EmulatorProcess:
         stop_timeout: float = 5.0,
         env: Optional[Mapping[str, str]] = None,
         cwd: Optional[Path] = None,
+        tls: Optional[ssl.SSLContext] = None,
     ) -> None:
         self.name = name
         self.argv = [str(a) for a in argv]
@@ -197,12 +200,13 @@ class EmulatorProcess:
         self.stop_timeout = stop_timeout
         self.env = _child_env(env)
         self.cwd = cwd or self.log_dir
+        self.tls = tls
         self._proc: Optional[subprocess.Popen] = None
 
     # -- properties
     @property
     def endpoint(self) -> str:
-        return f"http://{HOST}:{self.port}"
+        return f"{'https' if self.tls is not None else 'http'}://{HOST}:{self.port}"
 
     @property
     def pid(self) -> Optional[int]:
@@ -251,7 +255,10 @@ class EmulatorProcess:
                     f"{self.name} exited with code {self._proc.returncode} before becoming ready "
                     f"(argv: {' '.join(self.argv)}). Log {self.log_path}:\n{_tail(self.log_path)}"
                 )
-            conn = http.client.HTTPConnection(HOST, self.port, timeout=2)
+            if self.tls is not None:
+                conn = http.client.HTTPSConnection(HOST, self.port, timeout=2, context=self.tls)
+            else:
+                conn = http.client.HTTPConnection(HOST, self.port, timeout=2)
             try:
                 conn.request("GET", self.ready_path)
                 conn.getresponse().read()
@@ -375,8 +382,21 @@ def start_fake_gcs(
     return _start_with_port_retry(make, port)
 
 
-def start_azurite(port: Optional[int] = None, log_dir: Optional[Path] = None) -> EmulatorProcess:
-    """Azurite's blob service, run as ``node .../dist/src/blob/main.js`` (no npx wrapper)."""
+def start_azurite(
+    port: Optional[int] = None,
+    log_dir: Optional[Path] = None,
+    *,
+    cert: Optional[Path] = None,
+    key: Optional[Path] = None,
+    tls: Optional[ssl.SSLContext] = None,
+) -> EmulatorProcess:
+    """Azurite's blob service, run as ``node .../dist/src/blob/main.js`` (no npx wrapper).
+
+    With ``cert`` and ``key`` (PEM files) it serves HTTPS only; ``tls`` is then the client
+    context the readiness probe verifies it with (see ``tests/harness/azure_tls.py``).
+    """
+    if (cert is None) != (key is None) or (cert is not None and tls is None):
+        raise ValueError("start_azurite: give cert, key and tls together")
     main_js = azurite_dir() / "dist" / "src" / "blob" / "main.js"
     if not main_js.is_file():
         raise EmulatorMissing(
@@ -384,6 +404,8 @@ def start_azurite(port: Optional[int] = None, log_dir: Optional[Path] = None) ->
             f"{BOOTSTRAP_HINT}"
         )
     node = _node_path()
+
+    tls_args = ["--cert", str(cert), "--key", str(key)] if cert is not None else []
 
     def make(p: int) -> EmulatorProcess:
         # No --location: Azurite refuses it with --inMemoryPersistence; cwd is the log dir.
@@ -399,10 +421,12 @@ def start_azurite(port: Optional[int] = None, log_dir: Optional[Path] = None) ->
                 "--disableTelemetry",
                 "--loose",
                 "--blobKeepAliveTimeout", "600",
+                *tls_args,
             ],
             port=p,
             log_dir=log_dir,
             ready_path=f"/{AZURITE_ACCOUNT}?comp=list",
+            tls=tls,
         )
 
     return _start_with_port_retry(make, port)

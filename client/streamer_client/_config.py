@@ -1,0 +1,34 @@
+"""The client's settings, read from the environment on each call (the client has no pydantic).
+
+The service reads its own settings in ``streamer_service.settings``; these are the few a rank
+process needs to find the daemon and its shared memory.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    socket: Path | None
+    shm_dir: Path
+    launch_id: str | None
+    torchelastic_run_id: str | None
+    connect_timeout_s: float
+    token: str | None
+
+
+def client_config() -> ClientConfig:
+    env = os.environ
+    socket = env.get("STREAMER_SOCKET") or None
+    return ClientConfig(
+        socket=Path(socket) if socket else None,
+        shm_dir=Path(env.get("STREAMER_SHM_DIR") or "/dev/shm"),
+        launch_id=env.get("STREAMER_LAUNCH_ID") or None,
+        torchelastic_run_id=env.get("TORCHELASTIC_RUN_ID") or None,
+        connect_timeout_s=float(env.get("STREAMER_CONNECT_TIMEOUT_S") or 5.0),
+        token=env.get("STREAMER_TOKEN") or None,
+    )

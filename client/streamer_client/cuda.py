@@ -1,0 +1,576 @@
+"""Host -> GPU copies out of host buffers that are page-locked once (DESIGN.md 3.5).
+
+Both data paths end here: the embedded engine's ring slots (private anonymous
+``mmap`` s) and, in daemon mode, the shared-memory segment files a rank maps.
+Either way a host buffer is named by its base address and size, is pinned once
+(``cudaHostRegister`` through ``torch.cuda.cudart()``) and is reused for many
+copies; pageable copies would cost about 7x the time (55 vs 8 GB/s on an H200,
+DESIGN.md 6).
+
+Usage, for one target device::
+
+    copier = PinnedCopier("cuda:0")
+    copier.register(address, nbytes)           # once per buffer (a no-op when already pinned)
+    tensors = [copier.copy(view, dtype, shape) for view, dtype, shape in batch]
+    fence = copier.fence()                     # from here the tensors are safe on the current stream
+    copier.release_after(recycle_buffer, fence)  # recycle_buffer() runs once those copies completed
+    ...
+    copier.poll()                              # runs the callbacks whose copies have completed
+    copier.close()                             # waits for every copy, unpins what it pinned
+
+Streams. Copies are ``non_blocking`` on the copier's own stream, so they overlap
+both the host (the next slot's arrival) and the caller's GPU work. A result is
+allocated on the caller's *current* stream (the stream that will use it), and
+two event waits make that safe without ``record_stream``:
+
+- before the first copy after a fence, the copy stream waits for the current
+  stream: the caching allocator may hand out a block whose previous user is
+  still queued there, and the copy must not overwrite it under that work;
+- :meth:`PinnedCopier.fence` makes the current stream wait for every copy
+  issued so far, so any later work there sees the bytes. No host thread blocks.
+
+Chosen over ``Tensor.record_stream`` (allocate on the copy stream, mark each
+result as used on the consumer's stream): that needs one allocator event per
+tensor at free time and delays the memory's reuse, while the two waits above are
+two events per batch, and a result then behaves like any tensor made on the
+caller's stream (free it, reuse it, pass it on). A caller that moves a result to
+another stream synchronizes as for any tensor.
+
+A host buffer may be reused (or unmapped) only once the copies out of it have
+completed: :meth:`PinnedCopier.release_after` calls back then, from
+:meth:`~PinnedCopier.poll`, :meth:`~PinnedCopier.wait_one` or
+:meth:`~PinnedCopier.drain`. Copies complete in the order they were issued (one
+stream), so callbacks run in that order too.
+
+Fallback. If registration fails (a container's locked-memory limit, a kernel or
+driver that refuses), copies go ahead from pageable memory: correct, several
+times slower, announced by one ``RuntimeWarning`` per process; that copier
+then stops trying to register. A range some other code already registered
+(``cudaErrorHostMemoryAlreadyRegistered``) is page-locked, so it counts as
+pinned and is never unregistered by us.
+
+Registrations are process-wide (CUDA's are) and reference-counted by base
+address: copiers for several devices, or the engine and a daemon client in one
+process, share them. They use ``cudaHostRegisterPortable`` so a buffer pinned
+for one device is pinned for every device of the process.
+
+Not thread-safe: one thread drives a copier.
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import logging
+import math
+import threading
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from .errors import ConfigError
+
+__all__ = [
+    "CopyStats",
+    "Fence",
+    "HostPinner",
+    "PinnedCopier",
+    "address_of",
+    "cuda_device",
+    "registered_ranges",
+]
+
+log = logging.getLogger(__name__)
+
+HOST_REGISTER_PORTABLE = 0x01  # cudaHostRegisterPortable
+HOST_REGISTER_READ_ONLY = 0x08  # cudaHostRegisterReadOnly (CUDA >= 11.1): for PROT_READ mappings
+ERROR_ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
+ERROR_NOT_REGISTERED = 713  # cudaErrorHostMemoryNotRegistered
+
+
+# --------------------------------------------------------------------------- device
+
+
+def cuda_device(device: str | int | torch.device) -> torch.device:
+    """``device`` as ``torch.device('cuda', N)``; :class:`ConfigError` when it cannot be used."""
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise ConfigError(f"unusable device {device!r}: {exc}") from None
+    if target.type != "cuda":
+        raise ConfigError(f"device {device!r} is not a CUDA device")
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"device {device!r} requested but CUDA is not available (torch {torch.__version__}, "
+            f"built with CUDA {torch.version.cuda})"
+        )
+    index = torch.cuda.current_device() if target.index is None else target.index
+    if index >= torch.cuda.device_count():
+        raise ConfigError(f"device {device!r}: only {torch.cuda.device_count()} CUDA devices are visible")
+    return torch.device("cuda", index)
+
+
+def address_of(buffer: Any) -> tuple[int, int]:
+    """``(base address, nbytes)`` of a contiguous numpy array or CPU tensor (what :meth:`register` takes)."""
+    if isinstance(buffer, torch.Tensor):
+        if buffer.device.type != "cpu" or not buffer.is_contiguous():
+            raise ValueError("address_of needs a contiguous CPU tensor")
+        return buffer.data_ptr(), buffer.numel() * buffer.element_size()
+    interface = getattr(buffer, "__array_interface__", None)
+    if interface is not None and getattr(buffer, "flags", None) is not None and buffer.flags.c_contiguous:
+        return interface["data"][0], buffer.nbytes
+    raise ValueError(f"address_of needs a contiguous numpy array or CPU tensor, got {type(buffer).__name__}")
+
+
+# --------------------------------------------------------------------------- registration
+
+
+class Cudart(Protocol):
+    """The three runtime calls registration needs (real: :class:`_TorchCudart`; tests pass fakes)."""
+
+    def host_register(self, address: int, nbytes: int, flags: int) -> int: ...
+    def host_unregister(self, address: int) -> int: ...
+    def error_string(self, code: int) -> str: ...
+
+
+class _TorchCudart:
+    """``torch.cuda.cudart()``: the CUDA runtime torch itself uses (so one error state, one context)."""
+
+    def __init__(self) -> None:
+        self._rt = torch.cuda.cudart()
+
+    def host_register(self, address: int, nbytes: int, flags: int) -> int:
+        code = int(self._rt.cudaHostRegister(address, nbytes, flags))
+        if code:
+            _clear_last_error()
+        return code
+
+    def host_unregister(self, address: int) -> int:
+        code = int(self._rt.cudaHostUnregister(address))
+        if code:
+            _clear_last_error()
+        return code
+
+    def error_string(self, code: int) -> str:
+        try:
+            return str(self._rt.cudaGetErrorString(self._rt.cudaError(code)))
+        except (TypeError, ValueError):  # a code pybind's enum does not name
+            return f"CUDA error {code}"
+
+
+_cudart_libraries: list[ctypes.CDLL] | None = None
+
+
+def _clear_last_error() -> None:
+    """Reset the runtime's sticky "last error" after a failed call we handled.
+
+    A failed ``cudaHostRegister`` also records its error as the thread's last error, and
+    torch checks ``cudaGetLastError()`` after its kernel launches: left there, our handled
+    failure would surface later as an unrelated kernel's error. torch does not bind
+    ``cudaGetLastError``, so call it in the libcudart this process has loaded (torch's,
+    dynamically linked in its wheels). Nothing to do where cudart is linked statically.
+    """
+    global _cudart_libraries
+    if _cudart_libraries is None:
+        _cudart_libraries = []
+        try:
+            with open("/proc/self/maps") as maps:
+                paths = {line.split(None, 5)[5].strip() for line in maps if "libcudart.so" in line}
+        except OSError:
+            paths = set()
+        for path in sorted(paths):
+            try:
+                library = ctypes.CDLL(path)  # already loaded: the same handle, no second runtime
+                library.cudaGetLastError.restype = ctypes.c_int
+                _cudart_libraries.append(library)
+            except (OSError, AttributeError):
+                continue
+    for library in _cudart_libraries:
+        library.cudaGetLastError()
+
+
+@dataclass
+class _Entry:
+    nbytes: int
+    refs: int
+    ours: bool  # False: registered by someone else before us; never unregistered here
+
+
+class _Registry:
+    """Process-wide page-locked ranges, by base address, reference-counted."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.entries: dict[int, _Entry] = {}
+        self.starts: list[int] = []  # sorted keys of entries, for containment lookups
+
+    def covers(self, address: int, nbytes: int) -> bool:
+        """Whether ``[address, address + nbytes)`` lies inside one registered range."""
+        with self.lock:
+            i = bisect.bisect_right(self.starts, address) - 1
+            if i < 0:
+                return False
+            start = self.starts[i]
+            return address + nbytes <= start + self.entries[start].nbytes
+
+    def acquire(self, cudart: Cudart, address: int, nbytes: int, flags: int) -> tuple[int, bool]:
+        """Register (or take another reference); ``(error code, newly registered by us)``."""
+        with self.lock:
+            entry = self.entries.get(address)
+            if entry is not None:
+                if entry.nbytes < nbytes:
+                    return ERROR_ALREADY_REGISTERED, False  # a smaller range at this base: not ours to grow
+                entry.refs += 1
+                return 0, False
+            code = cudart.host_register(address, nbytes, flags)
+            if code == ERROR_ALREADY_REGISTERED:
+                # Registered outside this registry (user code, another library): page-locked already.
+                self._add(address, _Entry(nbytes, 1, ours=False))
+                return 0, False
+            if code == 0:
+                self._add(address, _Entry(nbytes, 1, ours=True))
+            return code, code == 0
+
+    def release(self, cudart: Cudart, address: int) -> None:
+        with self.lock:
+            entry = self.entries.get(address)
+            if entry is None:
+                return
+            entry.refs -= 1
+            if entry.refs > 0:
+                return
+            del self.entries[address]
+            self.starts.remove(address)
+            if entry.ours:
+                code = cudart.host_unregister(address)
+                if code and code != ERROR_NOT_REGISTERED:
+                    log.warning("cudaHostUnregister(0x%x) failed: %s", address, cudart.error_string(code))
+
+    def _add(self, address: int, entry: _Entry) -> None:
+        self.entries[address] = entry
+        bisect.insort(self.starts, address)
+
+
+_REGISTRY = _Registry()
+
+
+def registered_ranges() -> dict[int, int]:
+    """``{base address: nbytes}`` of every range pinned through this module (for tests, leak checks)."""
+    with _REGISTRY.lock:
+        return {address: entry.nbytes for address, entry in _REGISTRY.entries.items()}
+
+
+_fallback_warned = False  # one warning per process, however many copiers fall back
+
+
+def _warn_fallback(message: str) -> None:
+    global _fallback_warned
+    log.warning("%s", message)
+    if not _fallback_warned:
+        _fallback_warned = True
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+class HostPinner:
+    """The buffers one user pinned: register once, fall back to pageable once, unpin at close.
+
+    CUDA-free given a :class:`Cudart` (tests pass a fake one); :class:`PinnedCopier` uses one.
+    """
+
+    def __init__(self, cudart: Cudart | None = None, *, enabled: bool = True, registry: _Registry = _REGISTRY) -> None:
+        self._cudart = cudart
+        self._registry = registry
+        self.enabled = enabled
+        self.failure: str | None = None  # why this pinner stopped registering
+        self.pinned_bytes = 0  # bytes of the ranges this pinner holds (ours or already pinned)
+        self.register_seconds = 0.0
+        self._held: dict[int, int] = {}  # address -> nbytes, one registry reference each
+
+    @property
+    def cudart(self) -> Cudart:
+        if self._cudart is None:
+            self._cudart = _TorchCudart()
+        return self._cudart
+
+    def pin(self, address: int, nbytes: int, *, read_only: bool = False) -> bool:
+        """Page-lock ``[address, address + nbytes)`` once; whether it is page-locked now.
+
+        ``read_only=True`` for memory mapped without PROT_WRITE (a registration without the
+        read-only flag needs write access). A failure warns once and turns this pinner off.
+        """
+        if nbytes <= 0:
+            return False
+        if address in self._held:
+            return self._held[address] >= nbytes
+        if not self.enabled:
+            return self._registry.covers(address, nbytes)
+        flags = HOST_REGISTER_PORTABLE | (HOST_REGISTER_READ_ONLY if read_only else 0)
+        start = time.perf_counter()
+        code, _ = self._registry.acquire(self.cudart, address, nbytes, flags)
+        self.register_seconds += time.perf_counter() - start
+        if code:
+            self.enabled = False
+            self.failure = f"cudaHostRegister of {nbytes} bytes failed: {self.cudart.error_string(code)} ({code})"
+            _warn_fallback(
+                f"{self.failure}; copying to the GPU from pageable memory instead (correct, but several "
+                "times slower). In containers, raise the locked-memory limit (ulimit -l) or grant IPC_LOCK."
+            )
+            return False
+        self._held[address] = nbytes
+        self.pinned_bytes += nbytes
+        return True
+
+    def is_pinned(self, address: int, nbytes: int) -> bool:
+        return self._registry.covers(address, nbytes)
+
+    def unpin(self, address: int) -> None:
+        nbytes = self._held.pop(address, None)
+        if nbytes is not None:
+            self.pinned_bytes -= nbytes
+            self._registry.release(self.cudart, address)
+
+    def close(self) -> None:
+        for address in list(self._held):
+            self.unpin(address)
+
+
+# --------------------------------------------------------------------------- completion
+
+
+class _Event(Protocol):
+    def query(self) -> bool: ...
+    def synchronize(self) -> None: ...
+
+
+@dataclass(eq=False)
+class Fence:
+    """The point on a copier's stream after the copies issued before it."""
+
+    event: _Event
+
+    def done(self) -> bool:
+        return bool(self.event.query())
+
+    def wait(self) -> None:
+        self.event.synchronize()
+
+
+class _Releases:
+    """Callbacks waiting for fences; fences of one stream complete in order, so FIFO."""
+
+    def __init__(self) -> None:
+        self._queue: deque[tuple[Fence, Callable[[], Any]]] = deque()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def add(self, fence: Fence, callback: Callable[[], Any]) -> None:
+        self._queue.append((fence, callback))
+
+    def poll(self) -> int:
+        """Run the callbacks whose fence has passed (in order); how many ran."""
+        ran = 0
+        while self._queue and self._queue[0][0].done():
+            _, callback = self._queue.popleft()
+            callback()
+            ran += 1
+        return ran
+
+    def wait_one(self) -> bool:
+        """Wait for the oldest fence and run its callback (and any others done by then)."""
+        if not self._queue:
+            return False
+        self._queue[0][0].wait()
+        self.poll()
+        return True
+
+    def drain(self) -> None:
+        while self._queue:
+            self.wait_one()
+
+
+# --------------------------------------------------------------------------- copies
+
+
+@dataclass
+class CopyStats:
+    copies: int = 0
+    bytes: int = 0
+    pinned_bytes: int = 0  # copied out of page-locked memory
+    pageable_bytes: int = 0
+    fences: int = 0
+    register_seconds: float = 0.0  # spent in cudaHostRegister
+    registered_bytes: int = 0  # held right now
+    fallback: str | None = None  # why copies went pageable, if they did
+
+
+def _check_host(host: torch.Tensor, nbytes: int) -> None:
+    if not isinstance(host, torch.Tensor):
+        raise TypeError(f"host view must be a torch.Tensor, got {type(host).__name__}")
+    if host.device.type != "cpu" or host.dtype != torch.uint8 or host.dim() != 1 or not host.is_contiguous():
+        raise ValueError(
+            f"host view must be a contiguous 1-D uint8 CPU tensor, got {host.dtype} {tuple(host.shape)} on {host.device}"
+        )
+    if host.numel() != nbytes:
+        raise ValueError(f"host view has {host.numel()} bytes, the tensor needs {nbytes}")
+
+
+def _nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+class PinnedCopier:
+    """Copies out of host buffers into owned tensors on one CUDA device (see the module docstring).
+
+    ``pin=False`` never registers (pageable copies, no warning). ``stream``: the copy stream
+    (default: a new one on ``device``).
+    """
+
+    def __init__(
+        self,
+        device: str | int | torch.device,
+        *,
+        pin: bool = True,
+        stream: torch.cuda.Stream | None = None,
+        cudart: Cudart | None = None,
+    ) -> None:
+        self.device = cuda_device(device)
+        self.stream = stream if stream is not None else torch.cuda.Stream(device=self.device)
+        self.pinner = HostPinner(cudart, enabled=pin)
+        self._releases = _Releases()
+        self._stats = CopyStats()
+        self._issued = False  # copies issued since the last fence
+        self._last_fence: Fence | None = None
+        self._closed = False
+
+    # ------------------------------------------------------------------ buffers
+
+    def register(self, address: int, nbytes: int, *, read_only: bool = False) -> bool:
+        """Page-lock a host buffer once (idempotent per base address); whether it is pinned.
+
+        On failure: one warning per process, and this copier copies pageable from then on.
+        """
+        with torch.cuda.device(self.device):
+            return self.pinner.pin(address, nbytes, read_only=read_only)
+
+    def unregister(self, address: int) -> None:
+        """Unpin a buffer this copier registered, after every copy in flight (from it or not)."""
+        self.drain()
+        self.pinner.unpin(address)
+
+    def is_pinned(self, address: int, nbytes: int) -> bool:
+        return self.pinner.is_pinned(address, nbytes)
+
+    # ------------------------------------------------------------------ copies
+
+    def copy(self, host: torch.Tensor, dtype: torch.dtype | str, shape: Sequence[int]) -> torch.Tensor:
+        """A new tensor on the device holding ``host`` 's bytes as ``dtype``/``shape``.
+
+        ``host``: a contiguous 1-D uint8 CPU tensor over the bytes (e.g. ``torch.from_numpy``
+        of a slice of a mapped buffer). The copy is queued on the copy stream and this returns at
+        once; the result must not be used before :meth:`fence` (which makes the current stream
+        wait for it), and ``host`` 's memory must stay untouched until the copy has completed
+        (:meth:`release_after`). The result is owned: nothing reuses its memory.
+        """
+        if self._closed:
+            raise RuntimeError("PinnedCopier is closed")
+        if isinstance(dtype, str):
+            from .dtypes import torch_dtype
+
+            dtype = torch_dtype(dtype)
+        shape = tuple(int(d) for d in shape)
+        nbytes = _nbytes(dtype, shape)
+        _check_host(host, nbytes)
+        out = torch.empty(shape, dtype=dtype, device=self.device)  # on the current (consumer) stream
+        if nbytes == 0:
+            return out
+        if not self._issued:
+            # The allocator may have handed us a block whose last user is still queued on the
+            # consumer's stream: copy only after that work.
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            self._issued = True
+        with torch.cuda.stream(self.stream):
+            out.reshape(-1).view(torch.uint8).copy_(host, non_blocking=True)
+        stats = self._stats
+        stats.copies += 1
+        stats.bytes += nbytes
+        if self.pinner.is_pinned(host.data_ptr(), nbytes):
+            stats.pinned_bytes += nbytes
+        else:
+            stats.pageable_bytes += nbytes
+        return out
+
+    def fence(self) -> Fence:
+        """Mark the copies issued so far: the current stream waits for them (no host blocking).
+
+        After this the results may be used on the current stream. Returns the fence to wait on or
+        pass to :meth:`release_after`.
+        """
+        if not self._issued and self._last_fence is not None:
+            return self._last_fence
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        torch.cuda.current_stream(self.device).wait_event(event)
+        self._issued = False
+        self._last_fence = Fence(event)
+        self._stats.fences += 1
+        return self._last_fence
+
+    def release_after(self, callback: Callable[[], Any], fence: Fence | None = None) -> None:
+        """Call ``callback()`` once the copies before ``fence`` (default: a new fence) completed.
+
+        Callbacks run from :meth:`poll`, :meth:`wait_one`, :meth:`drain` or :meth:`close`, on the
+        calling thread, in order.
+        """
+        self._releases.add(fence if fence is not None else self.fence(), callback)
+
+    def poll(self) -> int:
+        """Run the callbacks whose copies have completed, without blocking; how many ran."""
+        return self._releases.poll()
+
+    def wait_one(self) -> bool:
+        """Block until the oldest pending callback's copies completed and run it; False if none."""
+        return self._releases.wait_one()
+
+    @property
+    def pending(self) -> int:
+        """Callbacks still waiting for their copies."""
+        return len(self._releases)
+
+    def drain(self) -> None:
+        """Wait for every copy issued so far and run every pending callback."""
+        if self._issued:
+            self.fence()
+        self._releases.drain()
+        self.stream.synchronize()
+
+    def close(self) -> None:
+        """Drain, then unpin every buffer this copier registered. Idempotent."""
+        if self._closed:
+            return
+        try:
+            self.drain()
+        finally:
+            self._closed = True
+            self.pinner.close()
+
+    @property
+    def stats(self) -> CopyStats:
+        self._stats.register_seconds = self.pinner.register_seconds
+        self._stats.registered_bytes = self.pinner.pinned_bytes
+        self._stats.fallback = self.pinner.failure
+        return self._stats
+
+    def __enter__(self) -> PinnedCopier:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"PinnedCopier({self.device}, {self.stats})"

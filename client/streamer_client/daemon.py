@@ -1,0 +1,253 @@
+"""Daemon mode: join the node daemon's load session, map its segments, yield tensors.
+
+The protocol is documented in ``streamer_service/api.py``. Segments are files in
+``STREAMER_SHM_DIR`` (which the rank and the daemon must share), mapped once per
+stream and reused as the daemon recycles them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import warnings
+import weakref
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import torch
+
+from . import errors
+from .dtypes import torch_dtype
+from .errors import BorrowedTensorError, DaemonError, StreamerError
+
+__all__ = ["DaemonClient", "daemon_stream"]
+
+log = logging.getLogger(__name__)
+
+POLL_WAIT_S = 2.0  # a long-poll; a daemon that dies is noticed at once (the socket resets)
+
+
+class DaemonClient:
+    """Talks to the daemon on its unix socket."""
+
+    def __init__(self, socket: Path, *, connect_timeout_s: float = 5.0) -> None:
+        self.socket = Path(socket)
+        self._timeout = connect_timeout_s
+        self._http = httpx.Client(
+            transport=httpx.HTTPTransport(uds=str(self.socket)),
+            base_url="http://streamer-daemon",
+            timeout=httpx.Timeout(connect_timeout_s, read=POLL_WAIT_S + connect_timeout_s),
+        )
+
+    def close(self) -> None:
+        self._http.close()
+
+    def reachable(self) -> bool:
+        try:
+            return self._http.get("/healthz", timeout=self._timeout).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def call(self, path: str, body: dict | None = None, *, read_timeout: float | None = -1.0) -> dict:
+        """POST ``body`` (GET without one); our error classes for error replies."""
+        timeout = httpx.Timeout(self._timeout, read=read_timeout) if read_timeout != -1.0 else None
+        try:
+            if body is None:
+                reply = self._http.get(path, **({"timeout": timeout} if timeout else {}))
+            else:
+                reply = self._http.post(path, json=body, **({"timeout": timeout} if timeout else {}))
+        except httpx.TransportError as exc:
+            raise DaemonError(
+                f"streamer daemon at {self.socket} unreachable or gone ({type(exc).__name__}: {exc})"
+            ) from None
+        try:
+            data = reply.json()
+        except ValueError:
+            raise DaemonError(f"streamer daemon at {self.socket} answered {reply.status_code} without JSON") from None
+        if reply.status_code >= 400:
+            raise _error_from(data, reply.status_code, self.socket)
+        return data
+
+
+def _error_from(data: Any, status: int, socket: Path) -> StreamerError:
+    info = data.get("error") if isinstance(data, dict) else None
+    if not isinstance(info, dict):
+        return DaemonError(f"streamer daemon at {socket} answered {status}: {data!r}")
+    cls = getattr(errors, str(info.get("type")), None)
+    if not (isinstance(cls, type) and issubclass(cls, StreamerError)):
+        cls = StreamerError
+    return cls(str(info.get("message")), uri=info.get("uri"), key=info.get("key"))
+
+
+@dataclass(frozen=True)
+class _Handle:
+    batch: int
+    segment: str | None
+    offset: int
+    nbytes: int
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    dedicated: bool
+
+    @classmethod
+    def parse(cls, raw: list) -> "_Handle":
+        batch, segment, offset, nbytes, name, dtype, shape, dedicated = raw
+        return cls(batch, segment, offset, nbytes, name, dtype, tuple(shape), dedicated)
+
+
+class _Segments:
+    """Each segment file mapped once; dedicated (oversized) ones unmapped once released."""
+
+    def __init__(self, shm_dir: Path, *, private: bool) -> None:
+        self.shm_dir = shm_dir
+        # Borrowed views are handed to user code: a private (copy-on-write) mapping lets a careless
+        # write stay in this process instead of crashing on a read-only page.
+        self._private = private
+        self._maps: dict[str, tuple[mmap.mmap, np.ndarray]] = {}
+
+    def view(self, name: str, offset: int, nbytes: int) -> np.ndarray:
+        if name not in self._maps:
+            path = self.shm_dir / name
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                raise DaemonError(
+                    f"shared-memory segment {path} not found: the daemon and this process must share "
+                    "STREAMER_SHM_DIR (in Kubernetes, one emptyDir volume mounted in both containers)"
+                ) from None
+            try:
+                size = os.fstat(fd).st_size
+                if self._private:
+                    mapping = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+                else:
+                    mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            finally:
+                os.close(fd)
+            self._maps[name] = (mapping, np.frombuffer(mapping, dtype=np.uint8))
+        return self._maps[name][1][offset : offset + nbytes]
+
+    def drop(self, name: str) -> None:
+        entry = self._maps.pop(name, None)
+        if entry is not None:
+            with contextlib.suppress(BufferError):  # a borrowed view still holds it: it goes with the view
+                entry[0].close()
+
+    def close(self) -> None:
+        for name in list(self._maps):
+            self.drop(name)
+
+
+def _empty(h: _Handle, device: torch.device) -> torch.Tensor:
+    return torch.empty(h.shape, dtype=torch_dtype(h.dtype), device=device)
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def daemon_stream(
+    client: DaemonClient,
+    *,
+    shm_dir: Path,
+    uri: str,
+    session: str,
+    rank: int,
+    world_size: int,
+    select: Sequence[str] | None,
+    priority: Sequence[str] | None,
+    device: torch.device,
+    borrowed: bool,
+    launch_id: str | None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Join (eagerly: selection errors raise here) and return the iterator over the tensors."""
+    joined = client.call(
+        "/v1/sessions/join",
+        {
+            "uri": uri, "session": session, "rank": rank, "world_size": world_size,
+            "select": list(select) if select is not None else None,
+            "priority": list(priority) if priority else None, "launch_id": launch_id,
+        },  # fmt: skip
+        read_timeout=None,  # blocks until every rank joined; the daemon enforces the join timeout
+    )
+    return _Receiver(client, shm_dir, joined["session_id"], rank, device, borrowed).run()
+
+
+class _Receiver:
+    def __init__(self, client: DaemonClient, shm_dir: Path, session_id: str, rank: int, device: torch.device, borrowed: bool) -> None:
+        self._client = client
+        self._path = f"/v1/sessions/{session_id}/ranks/{rank}"
+        self._segments = _Segments(shm_dir, private=borrowed)
+        self._device = device
+        self._borrowed = borrowed
+        self._release: list[int] = []
+        self._leases: list[tuple[str, weakref.ref]] = []  # borrowed views of the batch in hand
+        self._in_hand: weakref.ref | None = None
+
+    def run(self) -> Iterator[tuple[str, torch.Tensor]]:
+        try:
+            done = False
+            current: _Handle | None = None
+            while not done:
+                reply = self._client.call(f"{self._path}/next", {"release": self._release, "wait_s": POLL_WAIT_S})
+                self._release = []
+                done = reply["done"]
+                for raw in reply["handles"]:
+                    handle = _Handle.parse(raw)
+                    if current is not None and handle.batch != current.batch:
+                        self._finish(current)
+                    current = handle
+                    tensor = self._materialize(handle)
+                    yield handle.name, tensor
+                    del tensor
+                # A reply holds whole batches: the last one is complete too.
+                if current is not None:
+                    self._finish(current)
+                    current = None
+            self._client.call(f"{self._path}/leave", {})
+        except GeneratorExit:
+            with contextlib.suppress(StreamerError):
+                self._client.call(f"{self._path}/leave", {})
+            raise
+        finally:
+            self._segments.close()
+
+    def _materialize(self, h: _Handle) -> torch.Tensor:
+        if h.segment is None:
+            return _empty(h, self._device)
+        view = self._segments.view(h.segment, h.offset, h.nbytes)
+        if self._borrowed:
+            ref = weakref.ref(view)
+            self._leases.append((h.name, ref))
+            self._in_hand = ref
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # private mapping: writable, nothing to warn about
+                return torch.from_numpy(view).view(torch_dtype(h.dtype)).reshape(h.shape)
+        out = _empty(h, torch.device("cpu"))
+        if h.nbytes:
+            _byte_view(out).numpy()[:] = view
+        return out if self._device.type == "cpu" else out.to(self._device)
+
+    def _finish(self, h: _Handle) -> None:
+        """Every tensor of ``h.batch`` for this rank was handed out: release it (borrowed: check views)."""
+        if h.segment is None:
+            return
+        if self._borrowed:
+            kept = [name for name, ref in self._leases if ref is not self._in_hand and ref() is not None]
+            if kept:
+                raise BorrowedTensorError(
+                    f"{len(kept)} borrowed tensor(s) are still referenced when their shared memory is about to "
+                    f"be released (first: {kept[0]!r}); a borrowed=True tensor is valid only until the next "
+                    "item is requested: .clone() what you keep, or stream without borrowed=True",
+                    key=kept[0],
+                )
+            self._leases.clear()
+        self._release.append(h.batch)
+        if h.dedicated:
+            self._segments.drop(h.segment)

@@ -1,0 +1,42 @@
+"""What one "launch" is: the ranks that one launcher started.
+
+Used for force-pull-once metadata semantics and as the default daemon session
+key (the ranks of one launch on one node share one load). In order:
+
+1. an explicit ``STREAMER_LAUNCH_ID`` (a job id, a pod UID, ...);
+2. ``TORCHELASTIC_RUN_ID``, which torchrun sets for every rank of a run (unless ``none``);
+3. the parent process, ``ppid-<pid>-<start time>``: ranks one launcher process started share
+   it, and the start time keeps a recycled PID from looking like the same launch.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = ["resolve_launch_id", "process_launch_id"]
+
+
+def _start_ticks(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return "0"
+    # Field 22 (starttime) follows the parenthesized command name, which may contain spaces.
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    return fields[19].decode()
+
+
+def process_launch_id(pid: int) -> str:
+    """The launch id naming process ``pid`` (pid plus its start time)."""
+    return f"ppid-{pid}-{_start_ticks(pid)}"
+
+
+def resolve_launch_id(explicit: str | None, configured: str | None, torchelastic_run_id: str | None) -> str:
+    if explicit:
+        return explicit
+    if configured:
+        return configured
+    if torchelastic_run_id and torchelastic_run_id != "none":
+        return f"torchelastic-{torchelastic_run_id}"
+    return process_launch_id(os.getppid())

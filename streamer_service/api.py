@@ -1,0 +1,162 @@
+"""The daemon's HTTP API (FastAPI on a unix socket). ``create_app(settings)``; nothing at import.
+
+Routes (JSON; errors are ``{"error": {"type", "message", "uri", "key"}}`` with the class name
+from ``streamer_client.errors``, which the client raises again):
+
+    GET  /healthz                                   the process is up
+    GET  /readyz                                    the daemon can take sessions
+    GET  /v1/stats                                  budget, bytes read, sessions
+    POST /v1/metadata                               pull a URI's metadata; -> {"path"}
+    POST /v1/sessions/join                          join a load as rank r; blocks until all ranks joined
+    POST /v1/sessions/{id}/ranks/{rank}/next        release batches, long-poll ready handles
+    POST /v1/sessions/{id}/ranks/{rank}/leave       done (or abandoning): release everything
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+import anyio.to_thread
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from streamer_client import errors
+
+from .daemon import Daemon
+from .settings import Settings
+
+__all__ = ["create_app"]
+
+log = logging.getLogger(__name__)
+
+MAX_LIST = 100_000  # selection entries / releases in one request
+MAX_WAIT_S = 10.0
+
+_STATUS = [
+    (errors.SelectionError, 400),
+    (errors.HeaderError, 422),
+    (errors.CheckpointError, 422),
+    (errors.InvalidURIError, 400),
+    (errors.ConfigError, 400),
+    (errors.UnsafeKeyError, 422),
+    (errors.ObjectNotFoundError, 404),
+    (errors.StorageAccessDeniedError, 403),
+    (errors.SessionError, 409),
+    (errors.CacheLockTimeoutError, 504),
+    (errors.StorageError, 502),
+]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class MetadataRequest(_Model):
+    uri: str = Field(max_length=4096)
+    force: bool | None = None
+    launch_id: str | None = Field(default=None, max_length=256)
+
+
+class JoinRequest(_Model):
+    uri: str = Field(max_length=4096)
+    session: str = Field(min_length=1, max_length=1024)
+    rank: int = Field(ge=0, le=65535)
+    world_size: int = Field(ge=1, le=65536)
+    select: list[str] | None = Field(default=None, max_length=MAX_LIST)
+    priority: list[str] | None = Field(default=None, max_length=MAX_LIST)
+    launch_id: str | None = Field(default=None, max_length=256)
+
+
+class NextRequest(_Model):
+    release: list[int] = Field(default_factory=list, max_length=MAX_LIST)
+    wait_s: float = Field(default=2.0, ge=0, le=MAX_WAIT_S)
+
+
+def create_app(settings: Settings) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # Joins and long-polls block a worker thread each: 8 ranks x a few sessions need more than
+        # anyio's default 40.
+        anyio.to_thread.current_default_thread_limiter().total_tokens = 512
+        daemon = Daemon(settings)
+        daemon.start()
+        app.state.daemon = daemon
+        try:
+            yield
+        finally:
+            daemon.stop()
+
+    app = FastAPI(title="streamer-service", version="0.1.0", lifespan=lifespan)
+
+    @app.exception_handler(errors.StreamerError)
+    async def streamer_error(request: Request, exc: errors.StreamerError) -> JSONResponse:
+        status = next((code for cls, code in _STATUS if isinstance(exc, cls)), 500)
+        body = {"error": {"type": type(exc).__name__, "message": exc.message, "uri": exc.uri, "key": exc.key}}
+        return JSONResponse(body, status_code=status)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()[:5])
+        body = {"error": {"type": "ConfigError", "message": f"invalid request: {problems}", "uri": None, "key": None}}
+        return JSONResponse(body, status_code=422)
+
+    def daemon(request: Request) -> Daemon:
+        return request.app.state.daemon
+
+    @app.get("/healthz")
+    def healthz() -> dict:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    def readyz(request: Request) -> dict:
+        d = daemon(request)
+        return {"status": "ready", "shm_dir": str(d.store.shm_dir), "shm_budget": d.budget.limit}
+
+    @app.get("/v1/stats")
+    def stats(request: Request) -> dict:
+        return daemon(request).stats()
+
+    @app.post("/v1/metadata")
+    def metadata(body: MetadataRequest, request: Request) -> dict:
+        path = daemon(request).pull(body.uri, force=body.force, launch_id=body.launch_id)
+        return {"path": str(path)}
+
+    @app.post("/v1/sessions/join")
+    def join(body: JoinRequest, request: Request) -> dict:
+        session = daemon(request).join(
+            uri=body.uri,
+            key=body.session,
+            rank=body.rank,
+            world_size=body.world_size,
+            select=body.select,
+            priority=body.priority,
+            launch_id=body.launch_id,
+        )
+        rank = session.ranks[body.rank]
+        return {
+            "session_id": session.id,
+            "tensors": rank.to_hand_out,
+            "bytes": rank.nbytes,
+            "metadata_dir": str(session.checkpoint.metadata_dir),
+        }
+
+    @app.post("/v1/sessions/{session_id}/ranks/{rank}/next")
+    def next_handles(session_id: str, rank: int, body: NextRequest, request: Request) -> dict:
+        session = daemon(request).session(session_id)
+        handles, done = session.next(rank, body.release, body.wait_s)
+        return {"handles": [h.to_json() for h in handles], "done": done}
+
+    @app.post("/v1/sessions/{session_id}/ranks/{rank}/leave")
+    def leave(session_id: str, rank: int, request: Request) -> dict:
+        try:
+            session = daemon(request).session(session_id)
+        except errors.SessionError:
+            return {"left": False}  # already over: leaving is idempotent
+        session.leave(rank)
+        return {"left": True}
+
+    return app

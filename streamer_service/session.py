@@ -1,0 +1,445 @@
+"""Load sessions: the ranks of one launch on this node, their union streamed once.
+
+A session is keyed by the client (default: launch id + URI). It waits for all
+``world_size`` ranks to join, plans the union of their selections, and streams
+it once with Run:ai into a bounded ring of shared-memory segments. Each loaded
+batch is published to the ranks that need tensors of it, as handles
+``(batch, segment, offset, nbytes, name, dtype, shape)``; a segment is recycled
+when every rank that got handles into it has released them. A slow rank holds
+segments and so applies backpressure; nothing is ever fetched twice.
+
+A rank silent for ``rank_timeout_s`` is reclaimed (its leases released); the
+others finish. Segments are unlinked when the session ends, whatever the outcome.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from streamer_client.errors import SessionError, StreamerError
+
+from .checkpoint import Checkpoint
+from .engine import BUFFERED_FS_STRATEGY
+from .pipeline import Load, LoadStats, Pipeline
+from .plan import Batch, BatchKind, Plan, build_plan, select
+from .runai import NativeReader
+from .shm import Reservation, Segment, SegmentStore, ShmBudget
+
+__all__ = ["Handle", "Session", "SessionState", "RankState"]
+
+log = logging.getLogger(__name__)
+
+MAX_HANDLES_PER_REPLY = 8192
+
+
+class SessionState(enum.Enum):
+    JOINING = "joining"
+    STREAMING = "streaming"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class RankStatus(enum.Enum):
+    ACTIVE = "active"
+    DONE = "done"
+    RECLAIMED = "reclaimed"
+
+
+@dataclass(frozen=True)
+class Handle:
+    batch: int
+    segment: str | None  # None: an empty tensor, no bytes
+    offset: int
+    nbytes: int
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    dedicated: bool  # an oversized tensor's own segment, unlinked once released
+
+    def to_json(self) -> list:
+        return [self.batch, self.segment, self.offset, self.nbytes, self.name, self.dtype, list(self.shape), self.dedicated]
+
+
+@dataclass(eq=False)
+class RankState:
+    rank: int
+    names: frozenset[str]
+    nbytes: int
+    queue: deque[Handle] = field(default_factory=deque)
+    outstanding: set[int] = field(default_factory=set)
+    to_hand_out: int = 0
+    delivered_bytes: int = 0
+    last_seen: float = field(default_factory=time.monotonic)
+    status: RankStatus = RankStatus.ACTIVE
+
+
+@dataclass(eq=False)
+class _Slot:
+    segment: Segment
+    reservation: Reservation
+    oversized: bool
+
+
+class _Cancelled(Exception):
+    """Every rank is gone: stop streaming."""
+
+
+class Session:
+    def __init__(
+        self,
+        key: str,
+        checkpoint: Checkpoint,
+        world_size: int,
+        *,
+        slot_size: int,
+        store: SegmentStore,
+        budget: ShmBudget,
+        join_timeout_s: float,
+        on_end: Callable[["Session"], None],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.id = uuid.uuid4().hex
+        self.key = key
+        self.checkpoint = checkpoint
+        self.world_size = world_size
+        self.state = SessionState.JOINING
+        self.error: StreamerError | None = None
+        self.ranks: dict[int, RankState] = {}
+        self.stats = LoadStats()
+        self.created = clock()
+        self.finished_at: float | None = None
+        self._slot_size = slot_size
+        self._store = store
+        self._budget = budget
+        self._join_deadline = clock() + join_timeout_s
+        self._join_timeout_s = join_timeout_s
+        self._on_end = on_end
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._priority: set[str] = set()
+        self._free: list[_Slot] = []
+        self._slots: list[_Slot] = []  # every live segment of this session
+        self._ring_max = 0
+        self._ring_count = 0
+        self._ring_slot_bytes = 0
+        self._refs: dict[int, tuple[int, _Slot | None]] = {}
+        self._oversized_out = False
+        self._cancelled = False
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ joining
+
+    def join(self, rank: int, world_size: int, select_: Sequence[str] | None, priority: Sequence[str] | None) -> RankState:
+        """Add ``rank``; block until every rank has joined (or the join timeout passes)."""
+        catalog = self.checkpoint.catalog
+        chosen = select(catalog.tensors, list(select_) if select_ is not None else None, list(priority) if priority else None)
+        with self._cond:
+            if world_size != self.world_size:
+                raise SessionError(
+                    f"rank {rank} joined session {self.key!r} with world_size {world_size}, "
+                    f"but the session has world_size {self.world_size}",
+                    uri=self.checkpoint.uri.normalized,
+                )
+            if not 0 <= rank < self.world_size:
+                raise SessionError(f"rank {rank} is outside world_size {self.world_size}")
+            if self.state is not SessionState.JOINING:
+                raise SessionError(
+                    f"session {self.key!r} for {self.checkpoint.uri} already started; rank {rank} joined too late",
+                    uri=self.checkpoint.uri.normalized,
+                )
+            if rank in self.ranks:
+                raise SessionError(f"rank {rank} already joined session {self.key!r}", uri=self.checkpoint.uri.normalized)
+            state = RankState(rank, frozenset(t.name for t in chosen), sum(t.nbytes for t in chosen))
+            state.to_hand_out = len(chosen)
+            self.ranks[rank] = state
+            if priority:
+                self._priority.update(_priority_names(chosen, priority, catalog.by_name))
+            if len(self.ranks) == self.world_size:
+                self._start()
+                self._cond.notify_all()
+            while self.state is SessionState.JOINING:
+                remaining = self._join_deadline - self._clock()
+                if remaining <= 0:
+                    missing = sorted(set(range(self.world_size)) - set(self.ranks))
+                    self._fail(
+                        SessionError(
+                            f"session {self.key!r} for {self.checkpoint.uri}: only {len(self.ranks)} of "
+                            f"{self.world_size} ranks joined within {self._join_timeout_s:g} s (missing ranks {missing})",
+                            uri=self.checkpoint.uri.normalized,
+                        )
+                    )
+                    break
+                self._cond.wait(min(remaining, 1.0))
+            if self.state is SessionState.FAILED and self.error is not None:
+                raise self.error
+            return state
+
+    def _start(self) -> None:
+        catalog = self.checkpoint.catalog
+        union = set().union(*(r.names for r in self.ranks.values()))
+        first = [t for t in catalog.tensors if t.name in union and t.name in self._priority]
+        rest = [t for t in catalog.tensors if t.name in union and t.name not in self._priority]
+        plan = build_plan(first + rest, self._slot_size)
+        slot_batches = sum(b.kind is BatchKind.SLOT and b.buffer_bytes > 0 for b in plan.batches)
+        self._ring_slot_bytes = plan.slot_bytes
+        self._ring_max = min(self._budget.limit // plan.slot_bytes, slot_batches) if plan.slot_bytes else 0
+        self.state = SessionState.STREAMING
+        now = self._clock()
+        for r in self.ranks.values():
+            r.last_seen = now
+        self._thread = threading.Thread(target=self._run, args=(plan,), name=f"session-{self.id[:8]}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ streaming thread
+
+    def _run(self, plan: Plan) -> None:
+        started = self._clock()
+        try:
+            local = self.checkpoint.uri.is_local
+            with NativeReader(fs_strategy=BUFFERED_FS_STRATEGY if local else None) as reader:
+                pipeline = Pipeline(self.checkpoint.uri, plan, reader, self._acquire, self.stats)
+                for load in pipeline.loaded(self._wait_for_release):
+                    self._publish(load)
+            with self._cond:
+                while not self._all_ranks_finished():
+                    if self._cancelled:
+                        raise _Cancelled
+                    self._cond.wait(0.5)
+                self._end(SessionState.DONE)
+            log.info(
+                "session %s (%s, %d ranks): %d bytes read from storage in %.2f s",
+                self.key, self.checkpoint.uri, self.world_size, self.stats.bytes_read, self._clock() - started,
+            )  # fmt: skip
+        except _Cancelled:
+            with self._cond:
+                self._end(SessionState.FAILED)
+            log.warning("session %s (%s): every rank is gone; stopped", self.key, self.checkpoint.uri)
+        except StreamerError as exc:
+            with self._cond:
+                self._fail(exc)
+            log.error("session %s (%s) failed: %s", self.key, self.checkpoint.uri, exc)
+        except Exception as exc:  # noqa: BLE001 - a bug must fail the session, not hang its ranks
+            log.exception("session %s (%s) crashed", self.key, self.checkpoint.uri)
+            with self._cond:
+                self._fail(StreamerError(f"daemon error while streaming {self.checkpoint.uri}: {exc!r}"))
+        finally:
+            self._release_segments()
+            self._on_end(self)
+
+    def _acquire(self, batch: Batch) -> tuple[Segment, _Slot] | None:
+        """A segment for ``batch``: a free ring slot, a new one while the ring may grow, or none."""
+        oversized = batch.kind is BatchKind.OVERSIZED
+        with self._cond:
+            if self._cancelled:
+                raise _Cancelled
+            if not oversized:
+                if self._free:
+                    slot = self._free.pop()
+                    return slot.segment, slot
+                if self._ring_count >= self._ring_max:
+                    return None
+            elif self._oversized_out:
+                return None
+        nbytes = batch.buffer_bytes if oversized else self._ring_slot_bytes
+        reservation = self._budget.try_take(nbytes, oversized=oversized)
+        if reservation is None:  # other sessions hold the node's budget: wait for a release
+            return None
+        try:
+            segment = self._store.create(nbytes)
+        except BaseException:
+            self._budget.give_back(reservation)
+            raise
+        slot = _Slot(segment, reservation, oversized)
+        with self._cond:
+            self._slots.append(slot)
+            if oversized:
+                self._oversized_out = True
+            else:
+                self._ring_count += 1
+        return segment, slot
+
+    def _wait_for_release(self) -> None:
+        with self._cond:
+            if self._cancelled:
+                raise _Cancelled
+            self._cond.wait(0.5)
+
+    def _publish(self, load: Load) -> None:
+        slot: _Slot | None = load.token
+        with self._cond:
+            if self._cancelled:
+                raise _Cancelled
+            segment = slot.segment.name if slot is not None else None
+            refs = 0
+            for r in self.ranks.values():
+                if r.status is not RankStatus.ACTIVE:
+                    continue
+                dedicated = load.batch.kind is BatchKind.OVERSIZED
+                handles = [
+                    Handle(load.index, segment, p.buffer_offset, p.tensor.nbytes, p.tensor.name, p.tensor.dtype, p.tensor.shape, dedicated)
+                    for p in load.batch.placements
+                    if p.tensor.name in r.names
+                ]
+                if handles:
+                    r.queue.extend(handles)
+                    if segment is not None:
+                        r.outstanding.add(load.index)
+                        refs += 1
+            if refs:
+                self._refs[load.index] = (refs, slot)
+            elif slot is not None:
+                self._recycle(slot)
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ rank requests
+
+    def next(self, rank: int, release: Sequence[int], wait_s: float) -> tuple[list[Handle], bool]:
+        """Release ``release``; return ready handles (waiting up to ``wait_s``) and whether this rank is done."""
+        with self._cond:
+            state = self._rank(rank)
+            self._release(state, release)
+            state.last_seen = self._clock()
+            deadline = self._clock() + wait_s
+            while not state.queue and self.state is SessionState.STREAMING and state.to_hand_out:
+                remaining = deadline - self._clock()
+                if remaining <= 0:
+                    break
+                self._cond.wait(remaining)
+            if self.state is SessionState.FAILED and self.error is not None:
+                raise self.error
+            if state.status is RankStatus.RECLAIMED:
+                raise self._reclaimed(rank)
+            handles: list[Handle] = []
+            # Whole batches only: the client releases every batch of a reply once it has consumed it.
+            while state.queue and (len(handles) < MAX_HANDLES_PER_REPLY or state.queue[0].batch == handles[-1].batch):
+                handle = state.queue.popleft()
+                handles.append(handle)
+                state.delivered_bytes += handle.nbytes
+            state.to_hand_out -= len(handles)
+            state.last_seen = self._clock()
+            return handles, state.to_hand_out == 0
+
+    def leave(self, rank: int) -> None:
+        """The rank is finished (or abandons the load): release everything it holds."""
+        with self._cond:
+            state = self._rank(rank)
+            if state.status is RankStatus.ACTIVE:
+                self._release(state, list(state.outstanding))
+                state.queue.clear()
+                state.status = RankStatus.DONE
+            self._cond.notify_all()
+
+    def reap(self, now: float, rank_timeout_s: float) -> None:
+        """Reclaim ranks silent for longer than ``rank_timeout_s``."""
+        with self._cond:
+            if self.state is not SessionState.STREAMING:
+                return
+            for state in self.ranks.values():
+                if state.status is RankStatus.ACTIVE and now - state.last_seen > rank_timeout_s:
+                    log.warning(
+                        "session %s: rank %d silent for %.1f s; reclaiming its %d leases",
+                        self.key, state.rank, now - state.last_seen, len(state.outstanding),
+                    )  # fmt: skip
+                    self._release(state, list(state.outstanding))
+                    state.queue.clear()
+                    state.status = RankStatus.RECLAIMED
+            if all(r.status is RankStatus.RECLAIMED for r in self.ranks.values()):
+                self._cancelled = True
+            self._cond.notify_all()
+
+    def _rank(self, rank: int) -> RankState:
+        state = self.ranks.get(rank)
+        if state is None:
+            raise SessionError(f"rank {rank} is not part of session {self.key!r}")
+        if state.status is RankStatus.RECLAIMED:
+            raise self._reclaimed(rank)
+        return state
+
+    def _reclaimed(self, rank: int) -> SessionError:
+        return SessionError(
+            f"rank {rank} of session {self.key!r} was reclaimed after being silent too long "
+            "(STREAMER_RANK_TIMEOUT_S); restart the load",
+            uri=self.checkpoint.uri.normalized,
+        )
+
+    def _release(self, state: RankState, batches: Sequence[int]) -> None:
+        for index in batches:
+            if index not in state.outstanding:
+                continue
+            state.outstanding.discard(index)
+            refs, slot = self._refs[index]
+            if refs > 1:
+                self._refs[index] = (refs - 1, slot)
+            else:
+                del self._refs[index]
+                if slot is not None:
+                    self._recycle(slot)
+        self._cond.notify_all()
+
+    def _recycle(self, slot: _Slot) -> None:
+        if slot.oversized:
+            self._slots.remove(slot)
+            slot.segment.close()  # unlinked now; ranks' mappings of it were dropped at release
+            self._budget.give_back(slot.reservation)
+            self._oversized_out = False
+        else:
+            self._free.append(slot)
+
+    def _all_ranks_finished(self) -> bool:
+        return all(
+            r.status is not RankStatus.ACTIVE or (not r.to_hand_out and not r.outstanding and not r.queue)
+            for r in self.ranks.values()
+        )
+
+    # ------------------------------------------------------------------ ending
+
+    def _fail(self, error: StreamerError) -> None:
+        self.error = error
+        self._end(SessionState.FAILED)
+
+    def _end(self, state: SessionState) -> None:
+        if self.state in (SessionState.DONE, SessionState.FAILED):
+            return
+        self.state = state
+        self.finished_at = self._clock()
+        self._cond.notify_all()
+        if self._thread is None:  # never started streaming: nothing else will call on_end
+            self._on_end(self)
+
+    def _release_segments(self) -> None:
+        with self._cond:
+            slots, self._slots, self._free = self._slots, [], []
+            self._refs.clear()
+        for slot in slots:
+            slot.segment.close()
+            self._budget.give_back(slot.reservation)
+
+    def summary(self) -> dict:
+        with self._cond:
+            return {
+                "id": self.id,
+                "key": self.key,
+                "uri": self.checkpoint.uri.normalized,
+                "state": self.state.value,
+                "world_size": self.world_size,
+                "bytes_read": self.stats.bytes_read,
+                "ranks": {
+                    r.rank: {"status": r.status.value, "bytes_selected": r.nbytes, "bytes_delivered": r.delivered_bytes}
+                    for r in self.ranks.values()
+                },
+                "error": str(self.error) if self.error else None,
+            }
+
+
+def _priority_names(chosen, priority: Sequence[str], by_name) -> set[str]:
+    """Names of ``chosen`` that ``priority`` entries match (an entry naming a tensor is exact)."""
+    names = {p for p in priority if p in by_name}
+    prefixes = [p for p in priority if p not in by_name]
+    return {t.name for t in chosen if t.name in names or any(t.name.startswith(p) for p in prefixes)}

@@ -1,0 +1,130 @@
+"""Start a real `streamer-service serve` process and real rank processes for daemon tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+RANK_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, torch, streamer_client
+    from safetensors import safe_open
+    uri, rank, world, truth_dir, select = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5])
+    index = json.load(open(truth_dir + "/model.safetensors.index.json"))["weight_map"]
+    files = {}
+    got, bad = [], []
+    for name, t in streamer_client.stream(uri, select=select, rank=rank, world_size=world):
+        shard = index[name]
+        if shard not in files:
+            files[shard] = safe_open(truth_dir + "/" + shard, "pt")
+        want = files[shard].get_tensor(name)
+        if not (want.dtype == t.dtype and want.shape == t.shape and torch.equal(want, t)):
+            bad.append(name)
+        got.append(name)
+        print("got", name, flush=True, file=sys.stderr)
+    print(json.dumps({"rank": rank, "got": got, "bad": bad}))
+    """
+)
+
+
+class DaemonProcess:
+    def __init__(self, root: Path, env: dict[str, str], *extra: str) -> None:
+        self.socket = root / "daemon.sock"
+        self.shm_dir = root / "shm"
+        self.shm_dir.mkdir(exist_ok=True)
+        self.log = root / "daemon.log"
+        self.env = {**os.environ, **env, "STREAMER_SHM_DIR": str(self.shm_dir)}
+        self.extra = extra
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> "DaemonProcess":
+        cmd = [sys.executable, "-m", "streamer_service", "serve", "--socket", str(self.socket), *self.extra]
+        self.proc = subprocess.Popen(cmd, env=self.env, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited {self.proc.returncode}: {self.log.read_text()[-3000:]}")
+            if self.healthy():
+                return self
+            time.sleep(0.05)
+        raise RuntimeError(f"daemon not healthy in 30 s: {self.log.read_text()[-3000:]}")
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(transport=httpx.HTTPTransport(uds=str(self.socket)), base_url="http://d", timeout=10)
+
+    def healthy(self) -> bool:
+        try:
+            with self.client() as c:
+                return c.get("/healthz").json() == {"status": "ok"}
+        except (httpx.HTTPError, ValueError):
+            return False
+
+    def stats(self) -> dict:
+        with self.client() as c:
+            return c.get("/v1/stats").json()
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def rank_env(self, **extra: str) -> dict[str, str]:
+        return {**self.env, "STREAMER_SOCKET": str(self.socket), **extra}
+
+    def start_rank(self, uri: str, rank: int, world: int, truth_dir: Path, select, **env: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-c", RANK_SCRIPT, uri, str(rank), str(world), str(truth_dir), json.dumps(select)],
+            env=self.rank_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> dict:
+    out, err = proc.communicate(timeout=timeout)
+    if proc.returncode != 0:
+        raise AssertionError(f"rank exited {proc.returncode}: {err[-3000:]}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+class ShmSampler:
+    """Samples the shm dir's total file size and modes while a load runs (independent of the daemon)."""
+
+    def __init__(self, shm_dir: Path) -> None:
+        self.shm_dir = shm_dir
+        self.peak = 0
+        self.modes: set[int] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            total = 0
+            for p in list(self.shm_dir.iterdir()):
+                try:
+                    st = p.stat()
+                except FileNotFoundError:
+                    continue
+                total += st.st_size
+                self.modes.add(st.st_mode & 0o777)
+            self.peak = max(self.peak, total)
+            time.sleep(0.002)
+
+    def __enter__(self) -> "ShmSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()

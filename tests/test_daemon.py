@@ -1,0 +1,228 @@
+"""The node daemon with real rank processes: each byte once per node, bounded shm, failures."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from daemon_harness import DaemonProcess, ShmSampler, finish
+from streamer_service.catalog import build_catalog
+from streamer_service.demo import build_sample, rank_selection
+from streamer_service.settings import Settings
+from streamer_service.storage import open_storage
+from streamer_service.uri import parse_uri
+
+WORLD = 4
+
+
+@pytest.fixture
+def sample(tmp_path_factory):
+    """A ~12 MB MoE-shaped checkpoint (2 shards), built once per test."""
+    src = tmp_path_factory.mktemp("sample") / "ckpt"
+    build_sample(src, size_mb=12)
+    return src
+
+
+def _catalog(src: Path):
+    return build_catalog(open_storage(parse_uri(str(src)), Settings()))
+
+
+def _upload(backend, src: Path) -> str:
+    backend.put_tree("ckpt", {p.name: p.read_bytes() for p in src.iterdir()})
+    return backend.uri("ckpt")
+
+
+def _range_bytes(backend) -> int:
+    """Tensor-file bytes the storage served, from the proxy's log of Range headers."""
+    total = 0
+    for r in backend.proxy.requests:
+        if r.method == "GET" and r.range and r.path.endswith(".safetensors"):
+            a, b = map(int, re.fullmatch(r"bytes=(\d+)-(\d+)", r.range).groups())
+            total += b - a + 1
+    return total
+
+
+@pytest.fixture
+def daemon(tmp_path, request):
+    procs = []
+
+    def start(env=None, *extra):
+        d = DaemonProcess(tmp_path, {"STREAMER_RANK_TIMEOUT_S": "2", **(env or {})}, *extra).start()
+        procs.append(d)
+        return d
+
+    yield start
+    for d in procs:
+        d.stop()
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"], indirect=True)
+def test_four_ranks_overlapping_selections_read_each_byte_once(backend, sample, daemon):
+    uri = _upload(backend, sample)
+    catalog = _catalog(sample)
+    names = [t.name for t in catalog.tensors]
+    selections = [rank_selection(names, r, WORLD) for r in range(WORLD)]
+    unique = sum(catalog[n].nbytes for n in set().union(*map(set, selections)))
+    requested = sum(catalog[n].nbytes for s in selections for n in s)
+    assert requested > 2 * unique  # the selections really overlap
+
+    d = daemon(backend.env, "--shm-budget", "8MiB")
+    if backend.proxy is not None:
+        backend.proxy.reset()
+    with ShmSampler(d.shm_dir) as shm:
+        ranks = [d.start_rank(uri, r, WORLD, sample, selections[r]) for r in range(WORLD)]
+        results = [finish(p) for p in ranks]
+    for r, result in enumerate(results):
+        assert result["bad"] == []
+        assert result["got"] == [n for n in names if n in set(selections[r])]  # checkpoint order
+
+    stats = d.stats()
+    assert stats["bytes_read"] == unique
+    if backend.proxy is not None:
+        served = _range_bytes(backend)
+        assert unique <= served <= unique * 1.001, (served, unique)
+    assert stats["shm_in_use"] == 0
+    assert shm.modes <= {0o600}
+    assert list(d.shm_dir.iterdir()) == []
+    assert stat.S_IMODE(d.socket.stat().st_mode) == 0o600
+
+
+def test_budget_four_times_smaller_than_the_union(sample, daemon):
+    catalog = _catalog(sample)
+    names = [t.name for t in catalog.tensors]
+    selections = [rank_selection(names, r, 2) for r in range(2)]
+    unique = sum(catalog[n].nbytes for n in set().union(*map(set, selections)))
+    budget = unique // 4
+    largest = max(t.nbytes for t in catalog.tensors)
+    d = daemon({"STREAMER_SLOT_SIZE": str(budget // 4)}, "--shm-budget", str(budget))
+    with ShmSampler(d.shm_dir) as shm:
+        results = [finish(p) for p in [d.start_rank(str(sample), r, 2, sample, selections[r]) for r in range(2)]]
+    assert all(r["bad"] == [] and len(r["got"]) == len(selections[r["rank"]]) for r in results)
+    stats = d.stats()
+    assert 0 < stats["shm_peak"] <= budget + largest
+    assert 0 < shm.peak <= budget + largest
+    assert list(d.shm_dir.iterdir()) == []
+
+
+def test_rank_killed_mid_load_others_finish_and_shm_is_reclaimed(sample, daemon):
+    catalog = _catalog(sample)
+    names = [t.name for t in catalog.tensors]
+    selections = [rank_selection(names, r, 3) for r in range(3)]
+    d = daemon({"STREAMER_SLOT_SIZE": "1MiB"}, "--shm-budget", "3MiB")
+    ranks = [d.start_rank(str(sample), r, 3, sample, selections[r]) for r in range(3)]
+    victim = ranks[1]
+    assert victim.stderr.readline().startswith("got ")  # it holds leases now
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    for p in (ranks[0], ranks[2]):
+        result = finish(p)
+        assert result["bad"] == [] and len(result["got"]) == len(selections[result["rank"]])
+    deadline = time.monotonic() + 10
+    while list(d.shm_dir.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert list(d.shm_dir.iterdir()) == []
+    finished = d.stats()["finished"][-1]
+    assert finished["ranks"]["1"]["status"] == "reclaimed"
+    assert d.healthy()
+
+
+KILL_SCRIPT = """
+import sys, time, streamer_client
+from streamer_client.errors import DaemonError
+it = streamer_client.stream(sys.argv[1], world_size=1)
+next(it)
+print("first", flush=True)
+started = None
+try:
+    for _ in it:
+        if started is None and sys.stdin.readline():
+            started = time.monotonic()
+        time.sleep(0.05)
+except DaemonError as exc:
+    print("DaemonError", time.monotonic() - (started or time.monotonic()), exc, flush=True)
+"""
+
+
+def test_daemon_killed_mid_load_clients_fail_fast_and_restart_sweeps(sample, daemon):
+    d = daemon({"STREAMER_SLOT_SIZE": "1MiB"}, "--shm-budget", "2MiB")
+    rank = subprocess.Popen(
+        [sys.executable, "-c", KILL_SCRIPT, str(sample)], env=d.rank_env(),
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert rank.stdout.readline().strip() == "first"
+    leftovers = list(d.shm_dir.iterdir())
+    assert leftovers  # the ring is mapped while the rank holds a batch
+    d.stop(signal.SIGKILL)
+    rank.stdin.write("go\n")
+    rank.stdin.flush()
+    out, err = rank.communicate(timeout=30)
+    line = [l for l in out.splitlines() if l.startswith("DaemonError")]
+    assert line, out + err
+    assert float(line[0].split()[1]) < 5.0
+    assert "unreachable or gone" in line[0]
+    # SIGKILL left the segments; a new daemon sweeps them at start.
+    assert list(d.shm_dir.iterdir())
+    d2 = daemon()
+    assert list(d2.shm_dir.iterdir()) == []
+
+
+def test_uri_outside_allow_is_refused_and_daemon_stays_up(sample, tmp_path, daemon):
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    d = daemon({}, "--allow", str(allowed))
+    result = subprocess.run(
+        [sys.executable, "-c", "import streamer_client,sys; list(streamer_client.stream(sys.argv[1]))", str(sample)],
+        env=d.rank_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode != 0
+    assert "StorageAccessDeniedError" in result.stderr and "not under any --allow prefix" in result.stderr
+    assert str(sample) in result.stderr
+    assert d.healthy()
+
+
+def _join(c: httpx.Client, uri: str, **kw) -> httpx.Response:
+    body = {"uri": uri, "session": "s", "rank": 0, "world_size": 1, **kw}
+    return c.post("/v1/sessions/join", json=body, timeout=60)
+
+
+def test_api_bad_input_is_a_clear_error(sample, daemon):
+    d = daemon({"STREAMER_JOIN_TIMEOUT_S": "1"})
+    with d.client() as c:
+        r = c.post("/v1/sessions/join", content=b"{not json", headers={"content-type": "application/json"})
+        assert r.status_code == 422 and r.json()["error"]["type"] == "ConfigError"
+        r = c.post("/v1/sessions/join", json={"uri": str(sample), "session": "s", "rank": "zero", "world_size": 1})
+        assert r.status_code == 422 and "rank" in r.json()["error"]["message"]
+        r = _join(c, str(sample), select=["no.such.tensor"])
+        assert r.status_code == 400 and r.json()["error"]["type"] == "SelectionError"
+        assert "'no.such.tensor'" in r.json()["error"]["message"]
+        r = _join(c, "hdfs://x/y")
+        assert r.status_code == 400 and r.json()["error"]["type"] == "InvalidURIError"
+        r = c.post("/v1/sessions/nope/ranks/0/next", json={})
+        assert r.status_code == 409 and r.json()["error"]["type"] == "SessionError"
+        # Two ranks of world_size 2; only one joins: the join times out with the missing rank named.
+        r = _join(c, str(sample), session="lonely", world_size=2)
+        assert r.status_code == 409 and "only 1 of 2 ranks joined" in r.json()["error"]["message"]
+        assert "missing ranks [1]" in r.json()["error"]["message"]
+        r = c.post("/v1/sessions/join", json={"uri": "x" * 5000, "session": "s", "rank": 0, "world_size": 1})
+        assert r.status_code == 422
+        assert c.get("/healthz").json() == {"status": "ok"}
+    assert list(d.shm_dir.iterdir()) == []
+
+
+def test_pull_metadata_through_the_daemon(sample, daemon, tmp_path):
+    d = daemon()
+    code = "import streamer_client,sys; print(streamer_client.pull_metadata(sys.argv[1]))"
+    result = subprocess.run([sys.executable, "-c", code, str(sample)], env=d.rank_env(), capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    path = Path(result.stdout.strip())
+    assert (path / "config.json").is_file() and (path / ".runai_complete").is_file()
+    assert "pulled 2 metadata files" in d.log.read_text()  # the daemon pulled it, not the rank
