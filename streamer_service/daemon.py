@@ -16,6 +16,7 @@ from streamer_client.errors import SessionError, StorageAccessDeniedError
 
 from .checkpoint import open_checkpoint
 from .metadata import MetadataCache
+from .runai import check_credentials
 from .session import Session, SessionState
 from .settings import Settings
 from .shm import SegmentStore, ShmBudget, sweep_stale_segments
@@ -114,6 +115,7 @@ class Daemon:
             opening = self._opening.setdefault(parsed.cache_key, threading.Lock())
         with opening:
             checkpoint = open_checkpoint(parsed, self.settings, launch_id=launch_id)
+        check_credentials(parsed, self.settings)
         with self._lock:
             session = self.sessions.get(key)
             if session is None or session.state in (SessionState.DONE, SessionState.FAILED):

@@ -8,6 +8,7 @@ import torch
 
 from .checkpoint import open_checkpoint
 from .engine import EmbeddedEngine, EngineConfig
+from .runai import check_credentials
 from .settings import Settings
 
 __all__ = ["stream"]
@@ -29,6 +30,7 @@ def stream(
     device — is refused here, before the first byte of tensor data is read.
     """
     checkpoint = open_checkpoint(uri, settings, launch_id=launch_id)
+    check_credentials(checkpoint.uri, settings)
     engine = EmbeddedEngine(checkpoint.uri, checkpoint.catalog, EngineConfig.from_settings(settings))
     plan = engine.plan(list(select) if select is not None else None, list(priority) if priority else None)
     return engine.stream(plan, device=device, borrowed=borrowed)

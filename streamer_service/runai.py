@@ -457,3 +457,23 @@ def _apply_fs_strategy(native: ModuleType, streamer: Any, candidates: str) -> No
         text = native.runai_response_str(code)
         text = text.decode("utf-8", "replace") if isinstance(text, bytes) else str(text)
         raise ConfigError(f"Run:ai refused filesystem strategy {candidates!r}: {text}")
+
+
+def check_credentials(uri: "StorageURI", settings: "Settings") -> None:
+    """Refuse, before any read, a configuration Run:ai's reader cannot use.
+
+    Run:ai's Azure reader reads ``AZURE_STORAGE_ACCOUNT_NAME`` (with a key, a SAS token or
+    workload identity) and ignores ``AZURE_STORAGE_CONNECTION_STRING``: with only a connection
+    string every range would fail with "invalid parameters" after the listing succeeded.
+    """
+    from streamer_client.errors import ConfigError
+
+    from .uri import Scheme
+
+    if uri.scheme is Scheme.AZURE and not settings.azure_storage_account_name:
+        raise ConfigError(
+            f"streaming {uri} needs AZURE_STORAGE_ACCOUNT_NAME (with AZURE_STORAGE_ACCOUNT_KEY, "
+            "AZURE_STORAGE_SAS_TOKEN or workload identity): Run:ai's Azure reader ignores "
+            "AZURE_STORAGE_CONNECTION_STRING",
+            uri=uri.normalized,
+        )

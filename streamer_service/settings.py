@@ -90,7 +90,7 @@ class Settings(BaseSettings):
     )
     azure_storage_sas_token: SecretStr | None = Field(default=None, validation_alias=AliasChoices("AZURE_STORAGE_SAS_TOKEN"))
     azure_storage_endpoint_suffix: str = Field(
-        default="core.windows.net", validation_alias=AliasChoices("AZURE_STORAGE_ENDPOINT_SUFFIX")
+        default="blob.core.windows.net", validation_alias=AliasChoices("AZURE_STORAGE_ENDPOINT_SUFFIX")
     )
 
     allow: list[str] = Field(default_factory=list)

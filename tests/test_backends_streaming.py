@@ -206,16 +206,10 @@ def test_the_namespace_leaves_the_machine_unchanged(azure_tls_service):
             ctx.wrap_socket(raw, server_hostname=azure_tls_service.host)
 
 
-# --------------------------------------------------------------------------- known gaps
+# ----------------------------------------------------- the two ways to configure an account
 
-_SUFFIX_GAP = (
-    "streamer_service/storage/azure.py builds https://<account>.blob.<AZURE_STORAGE_ENDPOINT_SUFFIX> "
-    "(default core.windows.net) while Run:ai builds https://<account>.<AZURE_STORAGE_ENDPOINT_SUFFIX> "
-    "(default blob.core.windows.net): without a connection string one variable cannot serve both"
-)
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=_SUFFIX_GAP)
+# The service's listing and Run:ai must agree on the endpoint given only the account variables,
+# and a connection string alone (which Run:ai ignores) is refused before any read.
 def test_azure_account_key_without_connection_string(azure_tls, checkpoint):
     files, truth = checkpoint
     uri = _upload(azure_tls, files)
@@ -228,12 +222,6 @@ def test_azure_account_key_without_connection_string(azure_tls, checkpoint):
     _assert_byte_exact(out["tensors"], truth)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="Run:ai ignores AZURE_STORAGE_CONNECTION_STRING (every range: INVALID_PARAMETERS); the "
-    "service should derive AZURE_STORAGE_ACCOUNT_NAME/KEY/ENDPOINT_SUFFIX for it or refuse up front",
-)
 def test_azure_connection_string_only_loads_or_is_refused_up_front(azure_tls, checkpoint):
     files, truth = checkpoint
     uri = _upload(azure_tls, files)

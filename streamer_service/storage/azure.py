@@ -116,7 +116,8 @@ def _service_client(uri: StorageURI, settings: Settings, options: dict) -> BlobS
             "AZURE_STORAGE_ACCOUNT_NAME (with AZURE_STORAGE_ACCOUNT_KEY or AZURE_STORAGE_SAS_TOKEN)",
             uri=uri.normalized,
         )
-    url = f"https://{account}.blob.{settings.azure_storage_endpoint_suffix}"
+    # Same meaning as Run:ai's reader: the suffix includes "blob." and may carry a port.
+    url = f"https://{account}.{settings.azure_storage_endpoint_suffix}"
     credential = None
     if settings.azure_storage_account_key is not None:
         credential = {"account_name": account, "account_key": settings.azure_storage_account_key.get_secret_value()}
