@@ -33,7 +33,8 @@ class Daemon:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.budget = ShmBudget(int(settings.shm_budget))
-        self.slot_size = min(int(settings.slot_size), int(settings.shm_budget))
+        # At least four slots fit the budget, so loading, delivery and release overlap.
+        self.slot_size = min(int(settings.slot_size), max(int(settings.shm_budget) // 4, 1))
         self.sessions: dict[str, Session] = {}  # by key, while joining or streaming
         self.finished: list[dict] = []  # summaries of ended sessions, newest last (bounded)
         self.bytes_read = 0

@@ -126,7 +126,8 @@ class RankResult:
     error: str | None
 
 
-def _rank_main(uri: str, truth_dir: str | None, rank: int, world_size: int, select: list[str], queue) -> None:
+def _rank_main(uri: str, truth_dir: str | None, rank: int, world_size: int, select: list[str], env: dict, queue) -> None:
+    os.environ.update(env)
     try:
         import streamer_client
 
@@ -193,10 +194,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--uri", help="stream this checkpoint instead of a generated sample")
     parser.add_argument("--ranks", type=int, default=4, help="rank processes (default 4)")
     parser.add_argument("--size-mb", type=int, default=256, help="size of the generated sample (default 256)")
+    parser.add_argument("--shm-budget", default="256MiB", help="the demo daemon's shared-memory budget")
+    parser.add_argument("--embedded", action="store_true", help="no daemon: each rank reads its own selection")
+
+
+class _DemoDaemon:
+    """A `streamer-service serve` child on a private socket and shm dir, for the demo's ranks."""
+
+    def __init__(self, root: Path, budget: str) -> None:
+        import subprocess
+        import sys
+
+        shm_parent = "/dev/shm" if os.path.isdir("/dev/shm") else str(root)
+        self.shm_dir = Path(tempfile.mkdtemp(prefix="streamer-demo-", dir=shm_parent))
+        self.socket = root / "daemon.sock"
+        self.log = root / "daemon.log"
+        cmd = [sys.executable, "-m", "streamer_service", "serve", "--socket", str(self.socket),
+               "--shm-dir", str(self.shm_dir), "--shm-budget", budget]  # fmt: skip
+        with open(self.log, "wb") as log_file:
+            self.proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
+        from streamer_client.daemon import DaemonClient
+
+        self.client = DaemonClient(self.socket)
+        deadline = time.monotonic() + 60
+        while not self.client.reachable():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"demo daemon did not start:\n{self.log.read_text()[-2000:]}")
+            time.sleep(0.05)
+
+    def env(self) -> dict[str, str]:
+        return {"STREAMER_SOCKET": str(self.socket), "STREAMER_SHM_DIR": str(self.shm_dir)}
+
+    def stats(self) -> dict:
+        return self.client.call("/v1/stats")
+
+    def close(self) -> None:
+        import shutil
+
+        self.client.close()
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=15)
+        except Exception:  # noqa: BLE001
+            self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.shm_dir, ignore_errors=True)
 
 
 def run(args: argparse.Namespace) -> int:
-    from .catalog import Catalog  # noqa: F401 - fail early if the service is incomplete
     from .checkpoint import open_checkpoint
     from .settings import get_settings
 
@@ -221,28 +266,26 @@ def run(args: argparse.Namespace) -> int:
         unique_bytes = sum(catalog[n].nbytes for n in union)
         requested = sum(catalog[n].nbytes for sel in selections for n in sel)
 
-        ctx = mp.get_context("spawn")
-        queue = ctx.Queue()
-        started = time.perf_counter()
-        procs = [
-            ctx.Process(target=_rank_main, args=(uri, truth_dir, r, args.ranks, selections[r], queue))
-            for r in range(args.ranks)
-        ]
-        for p in procs:
-            p.start()
-        results = sorted((queue.get(timeout=1800) for _ in procs), key=lambda r: r.rank)
-        for p in procs:
-            p.join()
-        wall = time.perf_counter() - started
+        daemon = None if args.embedded else _DemoDaemon(Path(tmp), args.shm_budget)
+        try:
+            env = daemon.env() if daemon else {}
+            env["STREAMER_LAUNCH_ID"] = f"demo-{os.getpid()}"
+            results, wall = _run_ranks(uri, truth_dir, selections, env)
+            storage_bytes = daemon.stats()["bytes_read"] if daemon else requested
+            peak_shm = daemon.stats()["shm_peak"] if daemon else None
+        finally:
+            if daemon:
+                daemon.close()
 
-    mode = "embedded (each rank reads its own selection; no daemon)"
-    storage_bytes = requested  # each rank read its own selection from storage
+    mode = "daemon (one read per node, shared memory)" if not args.embedded else "embedded (each rank reads its own selection)"
     print()
     print(f"checkpoint      {uri if args.uri else 'generated sample'}: {len(names)} tensors, {catalog.total_bytes / 1e6:.1f} MB")
-    print(f"mode            {mode}")
+    print(f"mode            {mode}, {args.ranks} ranks, TP-like selection (shared tensors + own experts)")
     print(f"unique bytes    {unique_bytes / 1e6:10.1f} MB  (union of the ranks' selections)")
-    print(f"storage reads   {storage_bytes / 1e6:10.1f} MB  ({storage_bytes / unique_bytes:.2f}x unique)")
-    print(f"delivered       {sum(r.nbytes for r in results) / 1e6:10.1f} MB  to {args.ranks} ranks")
+    print(f"storage reads   {storage_bytes / 1e6:10.1f} MB  ({storage_bytes / unique_bytes:.3f}x unique)")
+    print(f"delivered       {sum(r.nbytes for r in results) / 1e6:10.1f} MB  ({requested / unique_bytes:.2f}x unique)")
+    if peak_shm is not None:
+        print(f"peak shm        {peak_shm / 1e6:10.1f} MB  (budget {args.shm_budget})")
     print(f"wall time       {wall:10.2f} s")
     print()
     print(f"{'rank':>4}  {'tensors':>7}  {'MB':>9}  {'seconds':>7}  {'GB/s':>6}  verified")
@@ -260,3 +303,22 @@ def run(args: argparse.Namespace) -> int:
     print()
     print("demo: OK, every tensor matches safetensors" if ok else "demo: FAILED")
     return 0 if ok else 1
+
+
+def _run_ranks(uri: str, truth_dir: str | None, selections: list[list[str]], env: dict) -> tuple[list[RankResult], float]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    world = len(selections)
+    started = time.perf_counter()
+    procs = [
+        ctx.Process(target=_rank_main, args=(uri, truth_dir, r, world, selections[r], env, queue))
+        for r in range(world)
+    ]
+    for p in procs:
+        p.start()
+    results = []
+    for _ in procs:
+        results.append(queue.get(timeout=1800))
+    for p in procs:
+        p.join()
+    return sorted(results, key=lambda r: r.rank), time.perf_counter() - started
