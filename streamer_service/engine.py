@@ -57,14 +57,16 @@ import numpy as np
 import torch
 
 from streamer_client.cuda import PinnedCopier
+from streamer_client.devices import resolve_device
 from streamer_client.dtypes import torch_dtype
-from streamer_client.errors import BorrowedTensorError, CheckpointError, ConfigError, StorageError
+from streamer_client.errors import BorrowedTensorError, CheckpointError, ConfigError
 
 from .catalog import Catalog
 from .header import TensorInfo
 from .plan import DEFAULT_ALIGN, Batch, BatchKind, Placement, Plan, build_plan
 from .plan import select as select_tensors
-from .runai import FileReads, NativeReader, RangeResult, ReadRange, S3Credentials
+from .pipeline import Load, LoadStats, Pipeline
+from .runai import NativeReader, S3Credentials
 from .settings import Settings
 from .uri import StorageURI
 
@@ -114,16 +116,13 @@ class EngineConfig:
 
 
 @dataclass
-class EngineStats:
-    """Counters of one engine, over all its streams."""
+class EngineStats(LoadStats):
+    """Counters of one engine, over all its streams (reads and submissions: :class:`LoadStats`)."""
 
     buffer_bytes: int = 0  # engine-owned buffer bytes right now
     peak_buffer_bytes: int = 0
-    bytes_read: int = 0  # written into our buffers by Run:ai
     bytes_copied: int = 0  # copied out of ring slots (safe mode, device copies)
     tensors: int = 0
-    submissions: int = 0
-    peak_in_flight: int = 0  # submissions in flight at once
 
     def allocated(self, nbytes: int) -> None:
         self.buffer_bytes += nbytes
@@ -173,7 +172,7 @@ class EmbeddedEngine:
         A storage failure raises the :class:`StorageError` Run:ai reported, naming the file and
         byte range; no tensor of the failed batch is yielded.
         """
-        target = _resolve_device(device)
+        target = resolve_device(device)
         if borrowed and target.type != "cpu":
             raise ConfigError(f"borrowed views are CPU memory; device {device!r} needs a copy anyway")
         self._check_plan(plan)
@@ -214,26 +213,6 @@ class EmbeddedEngine:
 
     def __repr__(self) -> str:
         return f"EmbeddedEngine({self.uri.normalized!r}, {self.config}, {self.stats})"
-
-
-def _resolve_device(device: str | torch.device) -> torch.device:
-    try:
-        target = torch.device(device)
-    except (RuntimeError, TypeError, ValueError) as exc:
-        raise ConfigError(f"unusable device {device!r}: {exc}") from None
-    if target.type == "cpu":
-        return target
-    if target.type != "cuda":
-        raise ConfigError(f"device {device!r}: only 'cpu' and 'cuda[:N]' are supported")
-    if not torch.cuda.is_available():
-        raise ConfigError(
-            f"device {device!r} requested but CUDA is not available (torch {torch.__version__}, "
-            f"built with CUDA {torch.version.cuda})"
-        )
-    index = torch.cuda.current_device() if target.index is None else target.index
-    if index >= torch.cuda.device_count():
-        raise ConfigError(f"device {device!r}: only {torch.cuda.device_count()} CUDA devices are visible")
-    return torch.device("cuda", index)
 
 
 # --------------------------------------------------------------------------- buffers
@@ -325,21 +304,6 @@ class _Ring:
 # --------------------------------------------------------------------------- one stream
 
 
-@dataclass(eq=False)
-class _Load:
-    """One batch on its way: its buffer, and what Run:ai has answered so far."""
-
-    batch: Batch
-    buffer: _HostBuffer | None
-    slot: _Slot | None
-    remaining: int  # ranges not answered yet
-    failed: RangeResult | None = None
-
-    @property
-    def done(self) -> bool:
-        return self.remaining == 0
-
-
 class _Stream:
     """Keeps batches in flight as buffers allow; delivers their tensors in plan order."""
 
@@ -357,25 +321,17 @@ class _Stream:
         self._stats = stats
         self._device = device
         self._borrowed = borrowed
-        self._pending: deque[Batch] = deque(plan.batches)
-        self._loads: deque[_Load] = deque()  # submitted, in plan order
-        self._by_submission: dict[int, _Load] = {}
+        self._plan = plan
         self._oversized: _HostBuffer | None = None  # the one engine-owned dedicated buffer
         self._in_hand: weakref.ref | None = None
         self._copier = PinnedCopier(device) if device.type == "cuda" else None
 
     def run(self, reader: NativeReader) -> Iterator[tuple[str, torch.Tensor]]:
-        while self._pending or self._loads:
-            if self._copier is not None:
-                self._copier.poll()  # slots whose device copies have completed go back to the ring
-            self._fill(reader)
-            load = self._loads.popleft()
-            self._wait_for(load, reader)
-            if load.failed is not None:
-                raise self._failure(load)
+        pipeline = Pipeline(self._uri, self._plan, reader, self._acquire, self._stats)
+        for load in pipeline.loaded(self._wait_for_buffer):
             yield from self._deliver(load)
-            if load.slot is not None and self._copier is None:  # device copies release their own
-                self._ring.release(load.slot, self._in_hand)
+            if load.token is not None and self._copier is None:  # device copies release their own
+                self._ring.release(load.token, self._in_hand)
 
     def close(self) -> None:
         copier, self._copier = self._copier, None
@@ -388,85 +344,31 @@ class _Stream:
                 self._stats.released(self._oversized.nbytes)
                 self._oversized = None
 
-    # -------------------------------------------------------------- loading
+    # -------------------------------------------------------------- buffers
 
-    def _fill(self, reader: NativeReader) -> None:
-        while self._pending:
-            load = self._allocate(self._pending[0])
-            if load is None:
-                # With device copies every buffer may be waiting for its copies: wait for the oldest.
-                if not self._loads and self._copier is not None and self._copier.wait_one():
-                    continue
-                break
-            self._pending.popleft()
-            if load.remaining:
-                self._submit(load, reader)
-            self._loads.append(load)
-        if not self._loads:  # everything delivered was released, so the head must find a buffer
-            raise RuntimeError("engine bug: no batch in flight and none could be given a buffer")
-
-    def _allocate(self, batch: Batch) -> _Load | None:
-        if not batch.ranges:
-            return _Load(batch, None, None, 0)
+    def _acquire(self, batch: Batch) -> tuple[_HostBuffer, _Slot | None] | None:
         if batch.kind is BatchKind.SLOT:
             slot = self._ring.acquire()
-            return None if slot is None else _Load(batch, slot.buffer, slot, len(batch.ranges))
+            if slot is None and self._copier is not None:
+                self._copier.poll()  # slots whose device copies have completed go back to the ring
+                slot = self._ring.acquire()
+            return None if slot is None else (slot.buffer, slot)
         if self._oversized is not None:
             return None
         self._oversized = _HostBuffer(batch.buffer_bytes)
         self._stats.allocated(batch.buffer_bytes)
-        return _Load(batch, self._oversized, None, len(batch.ranges))
+        return self._oversized, None
 
-    def _submit(self, load: _Load, reader: NativeReader) -> None:
-        submission = reader.submit(self._file_reads(load), keepalive=load.buffer)
-        self._by_submission[submission] = load
-        self._stats.submissions += 1
-        self._stats.peak_in_flight = max(self._stats.peak_in_flight, len(self._by_submission))
-
-    def _file_reads(self, load: _Load) -> list[FileReads]:
-        """The batch's ranges grouped by file, as Run:ai takes them, with absolute destinations."""
-        by_file: dict[str, list[ReadRange]] = {}
-        for r in load.batch.ranges:
-            read = ReadRange(r.offset, r.nbytes, load.buffer.address + r.buffer_offset)
-            by_file.setdefault(self._uri.child(r.file), []).append(read)
-        return [FileReads(path, tuple(reads)) for path, reads in by_file.items()]
-
-    def _wait_for(self, load: _Load, reader: NativeReader) -> None:
-        if load.done:
+    def _wait_for_buffer(self) -> None:
+        # With device copies every buffer may be waiting for its copies: wait for the oldest.
+        if self._copier is not None and self._copier.wait_one():
             return
-        for result in reader.responses():
-            self._record(result)
-            if load.done:
-                return
-
-    def _record(self, result: RangeResult) -> None:
-        load = self._by_submission[result.submission]
-        load.remaining -= 1
-        if result.error is None:
-            self._stats.bytes_read += result.range.nbytes
-        elif load.failed is None:
-            load.failed = result
-        if load.done:
-            del self._by_submission[result.submission]
-
-    def _failure(self, load: _Load) -> StorageError:
-        """The storage error of a failed batch, naming the tensors the failed range held."""
-        failed = load.failed
-        names = [
-            p.tensor.name
-            for p in load.batch.placements
-            if p.tensor.nbytes
-            and self._uri.child(p.tensor.file) == failed.path
-            and p.tensor.offset < failed.range.end
-            and p.tensor.end > failed.range.offset
-        ]
-        shown = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-        error = failed.error
-        return type(error)(f"{error.message}; tensors {shown}", uri=error.uri, key=names[0] if names else None)
+        # CPU delivery releases each buffer before the next batch is asked for.
+        raise RuntimeError("engine bug: no batch in flight and none could be given a buffer")
 
     # -------------------------------------------------------------- delivery
 
-    def _deliver(self, load: _Load) -> Iterator[tuple[str, torch.Tensor]]:
+    def _deliver(self, load: Load) -> Iterator[tuple[str, torch.Tensor]]:
         if self._copier is not None:
             yield from self._deliver_to_device(load)
             return
@@ -480,15 +382,15 @@ class _Stream:
             self._stats.released(load.buffer.nbytes)
             self._oversized = None
 
-    def _deliver_to_device(self, load: _Load) -> Iterator[tuple[str, torch.Tensor]]:
+    def _deliver_to_device(self, load: Load) -> Iterator[tuple[str, torch.Tensor]]:
         """Queue every copy of the batch, fence them, hand the buffer back once they completed."""
         copier = self._copier
-        if load.slot is not None:
+        if load.token is not None:
             copier.register(load.buffer.address, load.buffer.nbytes)  # once per slot: a lookup after that
         copies = deque((p.tensor.name, self._materialize(load, p)) for p in load.batch.placements)
         fence = copier.fence()  # the caller's stream waits for these copies; the host does not
-        if load.slot is not None:
-            copier.release_after(functools.partial(self._ring.release, load.slot, None), fence)
+        if load.token is not None:
+            copier.release_after(functools.partial(self._ring.release, load.token, None), fence)
         elif load.batch.kind is BatchKind.OVERSIZED:
             copier.release_after(functools.partial(self._drop_oversized, load.buffer), fence)
         while copies:
@@ -502,7 +404,7 @@ class _Stream:
             self._stats.released(buffer.nbytes)
             self._oversized = None
 
-    def _materialize(self, load: _Load, placement: Placement) -> torch.Tensor:
+    def _materialize(self, load: Load, placement: Placement) -> torch.Tensor:
         info = placement.tensor
         if load.buffer is None:  # empty tensor: no bytes were read
             return torch.empty(info.shape, dtype=torch_dtype(info.dtype), device=self._device)
@@ -510,7 +412,7 @@ class _Stream:
         if self._device.type == "cpu" and load.batch.kind is BatchKind.OVERSIZED:
             return _as_tensor(view, info)  # a dedicated buffer is never reused: no copy needed
         if self._borrowed:
-            return self._lend(load.slot, view, info)
+            return self._lend(load.token, view, info)
         return self._copy(view, info)
 
     def _lend(self, slot: _Slot, view: np.ndarray, info: TensorInfo) -> torch.Tensor:

@@ -53,6 +53,9 @@ from streamer_client.errors import (
     StorageUnavailableError,
 )
 
+from .settings import Settings
+from .uri import Scheme, StorageURI
+
 __all__ = [
     "DISTRIBUTIONS",
     "ENTRY_POINTS",
@@ -459,17 +462,13 @@ def _apply_fs_strategy(native: ModuleType, streamer: Any, candidates: str) -> No
         raise ConfigError(f"Run:ai refused filesystem strategy {candidates!r}: {text}")
 
 
-def check_credentials(uri: "StorageURI", settings: "Settings") -> None:
+def check_credentials(uri: StorageURI, settings: Settings) -> None:
     """Refuse, before any read, a configuration Run:ai's reader cannot use.
 
     Run:ai's Azure reader reads ``AZURE_STORAGE_ACCOUNT_NAME`` (with a key, a SAS token or
     workload identity) and ignores ``AZURE_STORAGE_CONNECTION_STRING``: with only a connection
     string every range would fail with "invalid parameters" after the listing succeeded.
     """
-    from streamer_client.errors import ConfigError
-
-    from .uri import Scheme
-
     if uri.scheme is Scheme.AZURE and not settings.azure_storage_account_name:
         raise ConfigError(
             f"streaming {uri} needs AZURE_STORAGE_ACCOUNT_NAME (with AZURE_STORAGE_ACCOUNT_KEY, "

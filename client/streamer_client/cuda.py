@@ -73,6 +73,7 @@ from typing import Any, Protocol
 
 import torch
 
+from .devices import resolve_device
 from .errors import ConfigError
 
 __all__ = [
@@ -98,21 +99,10 @@ ERROR_NOT_REGISTERED = 713  # cudaErrorHostMemoryNotRegistered
 
 def cuda_device(device: str | int | torch.device) -> torch.device:
     """``device`` as ``torch.device('cuda', N)``; :class:`ConfigError` when it cannot be used."""
-    try:
-        target = torch.device(device)
-    except (RuntimeError, TypeError, ValueError) as exc:
-        raise ConfigError(f"unusable device {device!r}: {exc}") from None
+    target = resolve_device(device)
     if target.type != "cuda":
         raise ConfigError(f"device {device!r} is not a CUDA device")
-    if not torch.cuda.is_available():
-        raise ConfigError(
-            f"device {device!r} requested but CUDA is not available (torch {torch.__version__}, "
-            f"built with CUDA {torch.version.cuda})"
-        )
-    index = torch.cuda.current_device() if target.index is None else target.index
-    if index >= torch.cuda.device_count():
-        raise ConfigError(f"device {device!r}: only {torch.cuda.device_count()} CUDA devices are visible")
-    return torch.device("cuda", index)
+    return target
 
 
 def address_of(buffer: Any) -> tuple[int, int]:

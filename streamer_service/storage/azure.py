@@ -8,6 +8,7 @@ Run:ai's Azure reader reads too). See docs/configuration.md.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import BinaryIO
 
 from azure.core import MatchConditions
@@ -50,22 +51,12 @@ class AzureStorage(Storage):
         detail = f"{type(exc).__name__}: {code or ''} {str(exc).splitlines()[0] if str(exc) else ''}".strip()
         return storage_error(kind, uri=self.uri.normalized, bucket=self.uri.bucket, key=key, detail=detail)
 
-    def _rel(self, key: str) -> str:
-        prefix = self.uri.prefix
-        return key[len(prefix) + 1 :] if prefix else key
-
-    def list_objects(self) -> list[ObjectInfo]:
-        prefix = f"{self.uri.prefix}/" if self.uri.prefix else None
-        found: list[ObjectInfo] = []
+    def _list_keys(self, prefix: str) -> Iterator[tuple[str, int, str]]:
         try:
-            for blob in self._container.list_blobs(name_starts_with=prefix):
-                if blob.name.endswith("/"):
-                    continue
-                found.append(ObjectInfo(name=self._rel(blob.name), size=int(blob.size), etag=blob.etag.strip('"')))
+            for blob in self._container.list_blobs(name_starts_with=prefix or None):
+                yield blob.name, int(blob.size), blob.etag.strip('"')
         except aexc.AzureError as exc:
             raise self._error(exc, None) from None
-        found.sort(key=lambda o: o.name)
-        return found
 
     def stat(self, name: str) -> ObjectInfo:
         key = self.uri.key_for(name)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from collections.abc import Iterator
 from typing import BinaryIO
 
 from ..uri import StorageURI
@@ -37,12 +38,23 @@ class Storage(abc.ABC):
     def __init__(self, uri: StorageURI) -> None:
         self.uri = uri
 
-    @abc.abstractmethod
     def list_objects(self) -> list[ObjectInfo]:
         """Every object under the prefix, recursively, sorted by name.
 
         Raises ``ObjectNotFoundError`` when the bucket does not exist.
         """
+        prefix = f"{self.uri.prefix}/" if self.uri.prefix else ""
+        found = [
+            ObjectInfo(name=key[len(prefix) :], size=size, etag=etag)
+            for key, size, etag in self._list_keys(prefix)
+            if not key.endswith("/")  # a "folder" placeholder object, not a file
+        ]
+        found.sort(key=lambda o: o.name)
+        return found
+
+    def _list_keys(self, prefix: str) -> Iterator[tuple[str, int, str]]:
+        """``(key, size, etag)`` of every object whose key starts with ``prefix`` (cloud backends)."""
+        raise NotImplementedError
 
     @abc.abstractmethod
     def download(self, obj: ObjectInfo, dest: BinaryIO) -> int:

@@ -7,6 +7,7 @@ The version token is the object's generation, which If-Match-style reads use.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import BinaryIO
 
 import requests
@@ -59,22 +60,12 @@ class GCSStorage(Storage):
         detail = getattr(exc, "message", None) or str(exc)
         return storage_error(kind, uri=self.uri.normalized, bucket=self.uri.bucket, key=key, detail=f"{type(exc).__name__}: {detail}")
 
-    def _rel(self, key: str) -> str:
-        prefix = self.uri.prefix
-        return key[len(prefix) + 1 :] if prefix else key
-
-    def list_objects(self) -> list[ObjectInfo]:
-        prefix = f"{self.uri.prefix}/" if self.uri.prefix else None
-        found: list[ObjectInfo] = []
+    def _list_keys(self, prefix: str) -> Iterator[tuple[str, int, str]]:
         try:
-            for blob in self._client.list_blobs(self._bucket, prefix=prefix, retry=self._retry, timeout=self._timeout):
-                if blob.name.endswith("/"):
-                    continue
-                found.append(ObjectInfo(name=self._rel(blob.name), size=int(blob.size), etag=str(blob.generation)))
+            for blob in self._client.list_blobs(self._bucket, prefix=prefix or None, retry=self._retry, timeout=self._timeout):
+                yield blob.name, int(blob.size), str(blob.generation)
         except Exception as exc:  # noqa: BLE001 - every SDK failure is mapped, none escapes raw
             raise self._error(exc, None) from None
-        found.sort(key=lambda o: o.name)
-        return found
 
     def stat(self, name: str) -> ObjectInfo:
         key = self.uri.key_for(name)

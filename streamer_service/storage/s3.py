@@ -6,6 +6,7 @@ The endpoint comes from boto3's own configuration (``AWS_ENDPOINT_URL``,
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import BinaryIO
 
 import boto3
@@ -63,27 +64,14 @@ class S3Storage(Storage):
             kind, detail = Failure.OTHER, f"{type(exc).__name__}: {exc}"
         return storage_error(kind, uri=self.uri.normalized, bucket=self._bucket, key=key, detail=detail)
 
-    def _rel(self, key: str) -> str:
-        prefix = self.uri.prefix
-        return key[len(prefix) + 1 :] if prefix else key
-
-    def list_objects(self) -> list[ObjectInfo]:
-        prefix = f"{self.uri.prefix}/" if self.uri.prefix else ""
-        found: list[ObjectInfo] = []
+    def _list_keys(self, prefix: str) -> Iterator[tuple[str, int, str]]:
         try:
             pages = self._client.get_paginator("list_objects_v2").paginate(Bucket=self._bucket, Prefix=prefix)
             for page in pages:
                 for item in page.get("Contents", []):
-                    key = item["Key"]
-                    if key.endswith("/"):  # a "folder" placeholder object, not a file
-                        continue
-                    found.append(ObjectInfo(name=self._rel(key), size=int(item["Size"]), etag=item["ETag"].strip('"')))
-        except bexc.BotoCoreError as exc:
+                    yield item["Key"], int(item["Size"]), item["ETag"].strip('"')
+        except (bexc.BotoCoreError, bexc.ClientError) as exc:
             raise self._error(exc, None) from None
-        except bexc.ClientError as exc:
-            raise self._error(exc, None) from None
-        found.sort(key=lambda o: o.name)
-        return found
 
     def stat(self, name: str) -> ObjectInfo:
         key = self.uri.key_for(name)
