@@ -81,10 +81,14 @@ __all__ = [
 # Run:ai 0.17.0 defaults to "io_uring_direct,libaio_direct,sync_buffered": O_DIRECT, which bypasses
 # the page cache. Checkpoints are usually read from a cache that was just filled (a download, a
 # previous load, a local NVMe copy), so buffered reads win: 6.24 vs 1.1 GB/s on the H200 machine
-# (DESIGN.md 6), 12 vs 3 GB/s here with a warm 1 GB file. io_uring first (it faulted fresh buffers
-# in ~4x faster than the synchronous reader here); sync_buffered where io_uring is unavailable
-# (seccomp in many containers). RUNAI_STREAMER_FS_STRATEGY, when set, still wins (see runai.py).
-BUFFERED_FS_STRATEGY = "io_uring_buffered,sync_buffered"
+# (DESIGN.md 6), 12 vs 3 GB/s here with a warm 1 GB file.
+#
+# Not io_uring_buffered, although it faulted fresh buffers in ~4x faster here: after a load through
+# it, a large write of the same process to a pipe was cut short (8 of 30 runs printed a truncated
+# 2 MB line to a subprocess pipe with exit code 0; 0 of 30 with sync_buffered). Losing a user's
+# output silently is not a price for speed. tests/test_engine.py::test_process_output_survives_a_load
+# guards it. RUNAI_STREAMER_FS_STRATEGY, when set, still wins (see runai.py).
+BUFFERED_FS_STRATEGY = "sync_buffered"
 
 
 @dataclass(frozen=True)

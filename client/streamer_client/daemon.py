@@ -8,6 +8,7 @@ stream and reused as the daemon recycles them.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import mmap
 import os
@@ -133,6 +134,11 @@ class _Segments:
             self._maps[name] = (mapping, np.frombuffer(mapping, dtype=np.uint8))
         return self._maps[name][1][offset : offset + nbytes]
 
+    def base(self, name: str) -> tuple[int, int]:
+        """Address and size of a mapped segment (what a CUDA host registration takes)."""
+        array = self._maps[name][1]
+        return array.ctypes.data, array.nbytes
+
     def drop(self, name: str) -> None:
         entry = self._maps.pop(name, None)
         if entry is not None:
@@ -189,33 +195,39 @@ class _Receiver:
         self._release: list[int] = []
         self._leases: list[tuple[str, weakref.ref]] = []  # borrowed views of the batch in hand
         self._in_hand: weakref.ref | None = None
+        self._copier = None
+        if device.type == "cuda":
+            from .cuda import PinnedCopier
+
+            self._copier = PinnedCopier(device)
 
     def run(self) -> Iterator[tuple[str, torch.Tensor]]:
         try:
             done = False
-            current: _Handle | None = None
             while not done:
+                if self._copier is not None:
+                    self._copier.drain()  # every queued copy done: its batch is on the release list
                 reply = self._client.call(f"{self._path}/next", {"release": self._release, "wait_s": POLL_WAIT_S})
                 self._release = []
                 done = reply["done"]
-                for raw in reply["handles"]:
-                    handle = _Handle.parse(raw)
-                    if current is not None and handle.batch != current.batch:
-                        self._finish(current)
-                    current = handle
-                    tensor = self._materialize(handle)
-                    yield handle.name, tensor
-                    del tensor
-                # A reply holds whole batches: the last one is complete too.
-                if current is not None:
-                    self._finish(current)
-                    current = None
+                # A reply holds whole batches, in order.
+                for batch in _by_batch(_Handle.parse(raw) for raw in reply["handles"]):
+                    if self._copier is not None:
+                        yield from self._to_device(batch)
+                        continue
+                    for handle in batch:
+                        tensor = self._materialize(handle)
+                        yield handle.name, tensor
+                        del tensor
+                    self._finish(batch[-1])
             self._client.call(f"{self._path}/leave", {})
         except GeneratorExit:
             with contextlib.suppress(StreamerError):
                 self._client.call(f"{self._path}/leave", {})
             raise
         finally:
+            if self._copier is not None:
+                self._copier.close()  # waits for copies in flight, unpins the segments
             self._segments.close()
 
     def _materialize(self, h: _Handle) -> torch.Tensor:
@@ -232,7 +244,34 @@ class _Receiver:
         out = _empty(h, torch.device("cpu"))
         if h.nbytes:
             _byte_view(out).numpy()[:] = view
-        return out if self._device.type == "cpu" else out.to(self._device)
+        return out
+
+    def _to_device(self, batch: list[_Handle]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Queue the batch's copies from pinned shared memory, fence them, release after they land."""
+        copier = self._copier
+        head = batch[0]
+        if head.segment is not None and not head.dedicated:
+            # Ring segments are reused for the whole load: pin once. Dedicated ones are read once.
+            address, size = self._segments.base(head.segment)
+            copier.register(address, size, read_only=True)
+        tensors = []
+        for h in batch:
+            if h.segment is None:
+                tensors.append(_empty(h, self._device))
+                continue
+            view = self._segments.view(h.segment, h.offset, h.nbytes)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # read-only mapping: we only read it
+                host = torch.from_numpy(view)
+            tensors.append(copier.copy(host, h.dtype, h.shape))
+        fence = copier.fence()
+        if head.segment is not None:
+            copier.release_after(functools.partial(self._release.append, head.batch), fence)
+            if head.dedicated:
+                copier.release_after(functools.partial(self._segments.drop, head.segment), fence)
+        for h, tensor in zip(batch, tensors):
+            yield h.name, tensor
+        tensors.clear()
 
     def _finish(self, h: _Handle) -> None:
         """Every tensor of ``h.batch`` for this rank was handed out: release it (borrowed: check views)."""
@@ -251,3 +290,14 @@ class _Receiver:
         self._release.append(h.batch)
         if h.dedicated:
             self._segments.drop(h.segment)
+
+
+def _by_batch(handles: Iterator[_Handle]) -> Iterator[list[_Handle]]:
+    group: list[_Handle] = []
+    for h in handles:
+        if group and h.batch != group[-1].batch:
+            yield group
+            group = []
+        group.append(h)
+    if group:
+        yield group
