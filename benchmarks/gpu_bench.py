@@ -186,17 +186,23 @@ def shm_to_cuda(array: np.ndarray, device: str, reps: int, pin: bool, barrier=No
     return rates, register_s, info
 
 
-def e2e(directory: Path, device: str, reps: int, expected: int, cache_dir: Path, budget: str | None, barrier=None) -> list[float]:
-    """Wall time of load_state_dict(dir, device=...) incl. synchronize; GB/s per rep (after a warm-up)."""
+def e2e(
+    directory: Path, device: str, reps: int, expected: int, cache_dir: Path, budget: str | None, barrier=None,
+    *, rank: int = 0, world_size: int = 1,
+) -> list[float]:
+    """Wall time of load_state_dict(dir, device=...) incl. synchronize; GB/s per rep (after a warm-up).
+
+    With ``STREAMER_SOCKET`` set (daemon rows) the ranks of one repetition share one session.
+    """
     rates = []
-    kwargs = {"device": device, "cache_dir": cache_dir}
+    kwargs = {"device": device, "cache_dir": cache_dir, "rank": rank, "world_size": world_size}
     if budget:
         kwargs["budget"] = budget
     for rep in range(reps + 1):
         if barrier is not None:
             barrier.wait()
         start = time.perf_counter()
-        state = streamer_client.load_state_dict(directory, **kwargs)
+        state = streamer_client.load_state_dict(directory, session=f"bench-{os.getppid()}-{rep}", **kwargs)
         if device != "cpu":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
@@ -227,11 +233,14 @@ def _spot_check(directory: Path, state: dict[str, torch.Tensor]) -> None:
 # --------------------------------------------------------------------------- two ranks
 
 
-def _rank_main(rank: int, kind: str, arg: str, reps: int, expected: int, cache_dir: str, barrier, results) -> None:
+def _rank_main(rank: int, kind: str, arg: str, reps: int, expected: int, cache_dir: str, barrier, results, env=None, world=2) -> None:
     try:
-        device = f"cuda:{rank}"
+        os.environ.update(env or {})
+        device = f"cuda:{rank % torch.cuda.device_count()}"
         torch.cuda.set_device(device)
-        if kind == "shm":
+        if kind == "daemon":
+            rates = e2e(Path(arg), device, reps, expected, Path(cache_dir), None, barrier=barrier, rank=rank, world_size=world)
+        elif kind == "shm":
             memory, array = map_shm_file(Path(arg))
             rates, register_s, _ = shm_to_cuda(array, device, reps, pin=True, barrier=barrier)
             del array
@@ -244,12 +253,12 @@ def _rank_main(rank: int, kind: str, arg: str, reps: int, expected: int, cache_d
         results.put((rank, [], repr(exc)))
 
 
-def two_ranks(kind: str, arg: str, reps: int, expected: int, cache_dir: Path) -> list[list[float]]:
+def two_ranks(kind: str, arg: str, reps: int, expected: int, cache_dir: Path, env=None, world: int = 2) -> list[list[float]]:
     ctx = mp.get_context("spawn")
-    barrier, results = ctx.Barrier(2), ctx.Queue()
+    barrier, results = ctx.Barrier(world), ctx.Queue()
     procs = [
-        ctx.Process(target=_rank_main, args=(r, kind, arg, reps, expected, str(cache_dir), barrier, results))
-        for r in range(2)
+        ctx.Process(target=_rank_main, args=(r, kind, arg, reps, expected, str(cache_dir), barrier, results, env, world))
+        for r in range(world)
     ]
     for p in procs:
         p.start()
@@ -261,7 +270,41 @@ def two_ranks(kind: str, arg: str, reps: int, expected: int, cache_dir: Path) ->
         got[rank] = rates
     for p in procs:
         p.join()
-    return [got[0], got[1]]
+    return [got[r] for r in range(world)]
+
+
+class _Daemon:
+    """`streamer-service serve` on a private socket and shm dir, for the daemon rows."""
+
+    def __init__(self, root: Path, budget: str) -> None:
+        self.shm_dir = Path(tempfile.mkdtemp(prefix="gpu-bench-shm-", dir="/dev/shm"))
+        self.socket = root / "daemon.sock"
+        cmd = [sys.executable, "-m", "streamer_service", "--log-level", "WARNING", "serve",
+               "--socket", str(self.socket), "--shm-dir", str(self.shm_dir), "--shm-budget", budget]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, env={**os.environ, "STREAMER_CACHE_DIR": str(root / "daemon-cache")})
+        from streamer_client.daemon import DaemonClient
+
+        client = DaemonClient(self.socket)
+        deadline = time.monotonic() + 60
+        while not client.reachable():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("gpu_bench: the daemon did not start")
+            time.sleep(0.1)
+        self.client = client
+
+    def env(self) -> dict[str, str]:
+        return {"STREAMER_SOCKET": str(self.socket), "STREAMER_SHM_DIR": str(self.shm_dir)}
+
+    def bytes_read(self) -> int:
+        return self.client.call("/v1/stats")["bytes_read"]
+
+    def close(self) -> None:
+        import shutil
+
+        self.client.close()
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+        shutil.rmtree(self.shm_dir, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- main
@@ -292,6 +335,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shm-dir", type=Path, default=Path("/dev/shm"))
     parser.add_argument("--dir", type=Path, help="checkpoint directory (default: a temp dir)")
     parser.add_argument("--json", type=Path, help="also write every measurement here")
+    parser.add_argument("--daemon-budget", default="4GiB", help="shm budget of the daemon rows' daemon")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("gpu_bench needs CUDA")
@@ -343,6 +387,17 @@ def main(argv: list[str] | None = None) -> None:
             per_rank = two_ranks("e2e", str(directory), args.e2e_reps, total, Path(tmp))
             for r, rates in enumerate(per_rank):
                 add(f"e2e, 2 ranks at once: rank {r} -> cuda:{r}", rates, "each reads every byte")
+        daemon = _Daemon(Path(tmp), args.daemon_budget)
+        try:
+            for world in sorted({1, args.ranks}):
+                before = daemon.bytes_read()
+                per_rank = two_ranks("daemon", str(directory), args.e2e_reps, total, Path(tmp) / "rank-cache", daemon.env(), world)
+                read = (daemon.bytes_read() - before) / (args.e2e_reps + 1)
+                for r, rates in enumerate(per_rank):
+                    add(f"daemon e2e, {world} rank(s): rank {r} -> cuda:{r % torch.cuda.device_count()}", rates,
+                        f"node read {read / total:.3f}x the checkpoint per load")
+        finally:
+            daemon.close()
 
     ceiling_rate = statistics.median(rows[0][1])
     print()

@@ -114,6 +114,9 @@ class _Segments:
         self._maps: dict[str, tuple[mmap.mmap, np.ndarray]] = {}
 
     def view(self, name: str, offset: int, nbytes: int) -> np.ndarray:
+        return self._array(name)[offset : offset + nbytes]
+
+    def _array(self, name: str) -> np.ndarray:
         if name not in self._maps:
             path = self.shm_dir / name
             try:
@@ -132,11 +135,11 @@ class _Segments:
             finally:
                 os.close(fd)
             self._maps[name] = (mapping, np.frombuffer(mapping, dtype=np.uint8))
-        return self._maps[name][1][offset : offset + nbytes]
+        return self._maps[name][1]
 
     def base(self, name: str) -> tuple[int, int]:
         """Address and size of a mapped segment (what a CUDA host registration takes)."""
-        array = self._maps[name][1]
+        array = self._array(name)
         return array.ctypes.data, array.nbytes
 
     def drop(self, name: str) -> None:

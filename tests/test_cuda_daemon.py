@@ -1,0 +1,85 @@
+"""Daemon mode to CUDA: ranks copy from pinned shared memory; every tensor equals the CPU truth.
+
+Skipped without CUDA. Run on a GPU machine (docs/benchmarks.md has the command).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from daemon_harness import DaemonProcess
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+RANK = textwrap.dedent(
+    """
+    import json, sys, torch, streamer_client
+    from safetensors import safe_open
+    uri, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    device = f"cuda:{rank % torch.cuda.device_count()}"
+    index = json.load(open(uri + "/model.safetensors.index.json"))["weight_map"]
+    files, bad, n = {}, [], 0
+    for name, t in streamer_client.stream(uri, rank=rank, world_size=world, device=device):
+        assert t.device == torch.device(device), t.device
+        shard = index[name]
+        files.setdefault(shard, safe_open(uri + "/" + shard, "pt"))
+        want = files[shard].get_tensor(name)
+        if not torch.equal(t.cpu().reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)):
+            bad.append(name)
+        n += 1
+    print(json.dumps({"rank": rank, "n": n, "bad": bad}))
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def big_checkpoint(tmp_path_factory):
+    """~2 GB of random bf16 with a 320 MiB tensor (larger than the daemon's 256 MiB slots)."""
+    from safetensors.torch import save_file
+
+    root = tmp_path_factory.mktemp("gpu-ckpt")
+    g = torch.Generator().manual_seed(0)
+    tensors = {"embed.weight": torch.randn(40960, 4096, generator=g).to(torch.bfloat16)}
+    for i in range(24):
+        tensors[f"layers.{i}.w"] = torch.randn(4096, 4096, generator=g).to(torch.bfloat16)
+        tensors[f"layers.{i}.norm"] = torch.randn(4096, generator=g).to(torch.bfloat16)
+    names = list(tensors)
+    weight_map = {}
+    for k, chunk in enumerate((names[: len(names) // 2], names[len(names) // 2 :])):
+        shard = f"model-{k + 1:05d}-of-00002.safetensors"
+        save_file({n: tensors[n] for n in chunk}, str(root / shard))
+        weight_map.update({n: shard for n in chunk})
+    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return root
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_daemon_ranks_on_gpus_byte_exact(big_checkpoint, tmp_path, world):
+    if world > torch.cuda.device_count():
+        pytest.skip(f"needs {world} GPUs")
+    d = DaemonProcess(tmp_path, {}, "--shm-budget", "1GiB").start()
+    try:
+        procs = [
+            subprocess.Popen([sys.executable, "-c", RANK, str(big_checkpoint), str(r), str(world)],
+                             env=d.rank_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+            for r in range(world)
+        ]
+        results = []
+        for p in procs:
+            out, err = p.communicate(timeout=600)
+            assert p.returncode == 0, err[-3000:]
+            results.append(json.loads(out.strip().splitlines()[-1]))
+        assert all(r["bad"] == [] and r["n"] == 49 for r in results), results
+        stats = d.stats()
+        total = sum(f.stat().st_size for f in big_checkpoint.glob("*.safetensors"))
+        assert stats["bytes_read"] <= total  # each byte once for the node, however many ranks
+        assert stats["shm_peak"] <= 1024**3 + 320 * 2**20
+    finally:
+        d.stop()
+    assert list(d.shm_dir.iterdir()) == []
