@@ -60,7 +60,7 @@ class Segment:
                         "make the shm filesystem larger than STREAMER_SHM_BUDGET or lower the budget"
                     ) from None
                 raise
-            self._mmap = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            self._mmap = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)
