@@ -15,6 +15,7 @@ from ``streamer_client.errors``, which the client raises again):
 from __future__ import annotations
 
 import contextlib
+import hmac
 import logging
 from collections.abc import AsyncIterator
 
@@ -91,6 +92,20 @@ def create_app(settings: Settings) -> FastAPI:
             daemon.stop()
 
     app = FastAPI(title="streamer-service", version="0.1.0", lifespan=lifespan)
+
+    token = settings.token.get_secret_value().encode() if settings.token else None
+
+    @app.middleware("http")
+    async def require_token_over_tcp(request: Request, call_next):
+        # The unix socket is guarded by its file mode; TCP (loopback only) by the bearer token.
+        peer = request.scope.get("client")
+        if peer and peer[0]:  # a TCP peer; unix-socket requests carry no address
+            presented = request.headers.get("authorization", "").removeprefix("Bearer ").encode()
+            if token is None or not hmac.compare_digest(presented, token):
+                message = "missing or wrong bearer token (Authorization: Bearer $STREAMER_TOKEN)"
+                body = {"error": {"type": "StorageAccessDeniedError", "message": message, "uri": None, "key": None}}
+                return JSONResponse(body, status_code=401)
+        return await call_next(request)
 
     @app.exception_handler(errors.StreamerError)
     async def streamer_error(request: Request, exc: errors.StreamerError) -> JSONResponse:

@@ -24,7 +24,7 @@ EXIT_USAGE = 2
 def _settings(args: argparse.Namespace) -> Settings:
     """The environment's settings with this command's flags on top, validated alike."""
     update = {}
-    for field in ("cache_dir", "shm_dir", "socket", "shm_budget", "allow"):
+    for field in ("cache_dir", "shm_dir", "socket", "shm_budget", "allow", "tcp_port"):
         value = getattr(args, field, None)
         if value not in (None, []):
             update[field] = value
@@ -112,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shm-budget", help="most shared memory in use, e.g. 16GiB (STREAMER_SHM_BUDGET)")
     serve.add_argument("--allow", action="append", default=[], metavar="PREFIX", help="URI prefix the daemon may read (repeatable)")
     serve.add_argument("--group-access", action="store_true", help="socket mode 0660 instead of 0600")
+    serve.add_argument("--tcp-port", type=int, help="also listen on 127.0.0.1:PORT; needs STREAMER_TOKEN")
     serve.set_defaults(run=cmd_serve)
 
     health = sub.add_parser("health", help="ask the daemon whether it is up (exit 0) or ready (--ready)")

@@ -52,10 +52,24 @@ def bind_unix_socket(path: Path, mode: int = 0o600) -> socket.socket:
     return sock
 
 
+def bind_loopback(port: int) -> socket.socket:
+    """127.0.0.1 only: the TCP listener is for tools on this node, never for the network."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    sock.listen(1024)
+    return sock
+
+
 def serve(settings: Settings, *, socket_mode: int = 0o600) -> int:
     path = Path(settings.socket) if settings.socket else DEFAULT_SOCKET
-    sock = bind_unix_socket(path, socket_mode)
+    if settings.tcp_port is not None and not (settings.token and settings.token.get_secret_value()):
+        raise ConfigError("--tcp-port needs a bearer token in STREAMER_TOKEN")
+    sockets = [bind_unix_socket(path, socket_mode)]
     log.info("serving on unix socket %s (mode %o)", path, socket_mode)
+    if settings.tcp_port is not None:
+        sockets.append(bind_loopback(settings.tcp_port))
+        log.info("serving on 127.0.0.1:%d (bearer token required)", settings.tcp_port)
     config = uvicorn.Config(
         create_app(settings),
         log_level=settings.log_level.lower(),
@@ -64,9 +78,10 @@ def serve(settings: Settings, *, socket_mode: int = 0o600) -> int:
         lifespan="on",
     )
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        uvicorn.Server(config).run(sockets=sockets)
     finally:
-        sock.close()
+        for sock in sockets:
+            sock.close()
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
     return 0

@@ -93,6 +93,12 @@ class Settings(BaseSettings):
         default="blob.core.windows.net", validation_alias=AliasChoices("AZURE_STORAGE_ENDPOINT_SUFFIX")
     )
 
+    tcp_port: int | None = Field(default=None, ge=1, le=65535)
+    """Also serve on 127.0.0.1:PORT (``serve --tcp-port``); requires ``STREAMER_TOKEN``."""
+
+    token: SecretStr | None = None
+    """Bearer token the TCP listener requires (``Authorization: Bearer <token>``)."""
+
     allow: list[str] = Field(default_factory=list)
     """URI prefixes the daemon may read (``--allow``, repeatable; JSON list in the environment).
     Empty: any URI (the daemon logs a warning)."""

@@ -225,3 +225,33 @@ def test_pull_metadata_through_the_daemon(sample, daemon, tmp_path):
     path = Path(result.stdout.strip())
     assert (path / "config.json").is_file() and (path / ".runai_complete").is_file()
     assert "pulled 2 metadata files" in d.log.read_text()  # the daemon pulled it, not the rank
+
+
+def test_tcp_listener_is_loopback_and_needs_the_token(sample, daemon):
+    import socket as socket_mod
+
+    with socket_mod.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    d = daemon({"STREAMER_TOKEN": "s3cr3t-t0ken"}, "--tcp-port", str(port))
+    base = f"http://127.0.0.1:{port}"
+    assert httpx.get(f"{base}/healthz").status_code == 401
+    assert httpx.get(f"{base}/healthz", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.get(f"{base}/healthz", headers={"Authorization": "Bearer s3cr3t-t0ken"}).json() == {"status": "ok"}
+    # A rank on this node can use it too, with the token from its environment.
+    code = "import streamer_client,sys; print(len(streamer_client.load_state_dict(sys.argv[1])))"
+    env = {**d.rank_env(), "STREAMER_SOCKET": f"tcp://127.0.0.1:{port}", "STREAMER_TOKEN": "s3cr3t-t0ken"}
+    result = subprocess.run([sys.executable, "-c", code, str(sample)], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert int(result.stdout.strip()) == len(_catalog(sample).tensors)
+    assert d.stats()["finished"][-1]["state"] == "done"  # it went through the daemon
+    assert "s3cr3t-t0ken" not in d.log.read_text()
+
+
+def test_tcp_without_a_token_refuses_to_start(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "streamer_service", "serve", "--socket", str(tmp_path / "s.sock"), "--shm-dir", str(tmp_path), "--tcp-port", "1"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 1
+    assert "--tcp-port needs a bearer token in STREAMER_TOKEN" in result.stderr

@@ -68,11 +68,11 @@ def _daemon(socket: str | os.PathLike | None):
     """A client for the configured daemon, or None (in-process mode, logged once)."""
     global _said_embedded
     cfg = _config.client_config()
-    path = Path(socket) if socket is not None else cfg.socket
+    path = socket if socket is not None else cfg.socket
     if path is not None:
         from .daemon import DaemonClient
 
-        client = DaemonClient(path, connect_timeout_s=cfg.connect_timeout_s)
+        client = DaemonClient(path, connect_timeout_s=cfg.connect_timeout_s, token=cfg.token)
         if client.reachable():
             return client
         client.close()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 @dataclass(frozen=True)
 class ClientConfig:
-    socket: Path | None
+    socket: Path | str | None  # a unix socket path, or tcp://127.0.0.1:PORT
     shm_dir: Path
     launch_id: str | None
     torchelastic_run_id: str | None
@@ -25,7 +25,7 @@ def client_config() -> ClientConfig:
     env = os.environ
     socket = env.get("STREAMER_SOCKET") or None
     return ClientConfig(
-        socket=Path(socket) if socket else None,
+        socket=(socket if socket.startswith("tcp://") else Path(socket)) if socket else None,
         shm_dir=Path(env.get("STREAMER_SHM_DIR") or "/dev/shm"),
         launch_id=env.get("STREAMER_LAUNCH_ID") or None,
         torchelastic_run_id=env.get("TORCHELASTIC_RUN_ID") or None,

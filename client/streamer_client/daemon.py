@@ -37,14 +37,19 @@ POLL_WAIT_S = 2.0  # a long-poll; a daemon that dies is noticed at once (the soc
 class DaemonClient:
     """Talks to the daemon on its unix socket."""
 
-    def __init__(self, socket: Path, *, connect_timeout_s: float = 5.0) -> None:
-        self.socket = Path(socket)
+    def __init__(self, socket: Path | str, *, connect_timeout_s: float = 5.0, token: str | None = None) -> None:
+        """``socket``: a unix socket path, or ``tcp://127.0.0.1:PORT`` (then ``token`` is sent)."""
+        self.socket = socket
         self._timeout = connect_timeout_s
-        self._http = httpx.Client(
-            transport=httpx.HTTPTransport(uds=str(self.socket)),
-            base_url="http://streamer-daemon",
-            timeout=httpx.Timeout(connect_timeout_s, read=POLL_WAIT_S + connect_timeout_s),
-        )
+        timeout = httpx.Timeout(connect_timeout_s, read=POLL_WAIT_S + connect_timeout_s)
+        address = str(socket)
+        if address.startswith("tcp://"):
+            headers = {"Authorization": f"Bearer {token}"} if token else {}
+            self._http = httpx.Client(base_url="http://" + address[len("tcp://") :], timeout=timeout, headers=headers)
+        else:
+            self._http = httpx.Client(
+                transport=httpx.HTTPTransport(uds=address), base_url="http://streamer-daemon", timeout=timeout
+            )
 
     def close(self) -> None:
         self._http.close()
@@ -76,7 +81,7 @@ class DaemonClient:
         return data
 
 
-def _error_from(data: Any, status: int, socket: Path) -> StreamerError:
+def _error_from(data: Any, status: int, socket: Path | str) -> StreamerError:
     info = data.get("error") if isinstance(data, dict) else None
     if not isinstance(info, dict):
         return DaemonError(f"streamer daemon at {socket} answered {status}: {data!r}")
