@@ -38,6 +38,11 @@ log = logging.getLogger(__name__)
 
 MAX_HANDLES_PER_REPLY = 8192
 
+# Enough segments for loading, delivery and release to overlap. More only cost set-up per load:
+# every segment is zero-filled by fallocate here and page-locked by each CUDA rank (0.11 s/GiB on
+# an H200 host), which a 16-slot ring of 4 GiB paid on every load (docs/benchmarks.md).
+MAX_RING_SLOTS = 6
+
 
 class SessionState(enum.Enum):
     JOINING = "joining"
@@ -189,7 +194,8 @@ class Session:
         plan = build_plan(first + rest, self._slot_size)
         slot_batches = sum(b.kind is BatchKind.SLOT and b.buffer_bytes > 0 for b in plan.batches)
         self._ring_slot_bytes = plan.slot_bytes
-        self._ring_max = min(self._budget.limit // plan.slot_bytes, slot_batches) if plan.slot_bytes else 0
+        by_budget = self._budget.limit // plan.slot_bytes if plan.slot_bytes else 0
+        self._ring_max = min(by_budget, slot_batches, MAX_RING_SLOTS)
         self.state = SessionState.STREAMING
         now = self._clock()
         for r in self.ranks.values():
