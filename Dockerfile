@@ -37,7 +37,10 @@ WORKDIR /src
 COPY client/ client/
 COPY pyproject.toml README.md ./
 COPY streamer_service/ streamer_service/
+# The import check fails the build, not the first pod, when a dependency of the daemon path is
+# missing from pyproject.toml.
 RUN pip install ./client . \
+    && python -c "import streamer_service.server, streamer_service.api, streamer_service.daemon" \
     && streamer-service --help > /dev/null
 
 # ---------------------------------------------------------------------------------------------

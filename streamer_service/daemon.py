@@ -19,7 +19,7 @@ from .metadata import MetadataCache
 from .runai import check_credentials
 from .session import Session, SessionState
 from .settings import Settings
-from .shm import SegmentStore, ShmBudget, sweep_stale_segments
+from .shm import SegmentPool, SegmentStore, ShmBudget, sweep_stale_segments
 from .uri import StorageURI, parse_uri
 
 __all__ = ["Daemon"]
@@ -43,6 +43,7 @@ class Daemon:
         self._stop = threading.Event()
         self._reaper: threading.Thread | None = None
         self.store: SegmentStore | None = None
+        self.pool: SegmentPool | None = None
         self._allow = [parse_uri(p).normalized for p in settings.allow]
 
     # ------------------------------------------------------------------ lifecycle
@@ -50,6 +51,7 @@ class Daemon:
     def start(self) -> None:
         self.store = SegmentStore(Path(self.settings.shm_dir))
         sweep_stale_segments(self.store.shm_dir)
+        self.pool = SegmentPool(self.store, self.budget, self.settings.segment_idle_s)
         if not self._allow:
             log.warning("no --allow prefixes: this daemon will read any URI its credentials reach")
         self._reaper = threading.Thread(target=self._reap_loop, name="reaper", daemon=True)
@@ -72,6 +74,8 @@ class Daemon:
                 except SessionError:
                     pass
             session.reap(float("inf"), 0.0)
+        if self.pool is not None:
+            self.pool.close()
 
     def _reap_loop(self) -> None:
         while not self._stop.wait(_REAP_INTERVAL_S):
@@ -80,6 +84,7 @@ class Daemon:
             now = time.monotonic()
             for session in sessions:
                 session.reap(now, self.settings.rank_timeout_s)
+            self.pool.trim(now)
 
     # ------------------------------------------------------------------ requests
 
@@ -125,8 +130,7 @@ class Daemon:
                     checkpoint,
                     world_size,
                     slot_size=self.slot_size,
-                    store=self.store,
-                    budget=self.budget,
+                    pool=self.pool,
                     join_timeout_s=self.settings.join_timeout_s,
                     on_end=self._ended,
                 )
@@ -162,6 +166,8 @@ class Daemon:
             "shm_budget": self.budget.limit,
             "shm_in_use": self.budget.in_use,
             "shm_peak": self.budget.peak,
+            "segments_idle": self.pool.idle,
+            "segments_reused": self.pool.reused,
             "bytes_read": self.bytes_read + sum(s["bytes_read"] for s in active),
             "sessions": active,
             "finished": finished,

@@ -219,6 +219,7 @@ class _DemoDaemon:
         deadline = time.monotonic() + 60
         while not self.client.reachable():
             if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
                 raise RuntimeError(f"demo daemon did not start:\n{self.log.read_text()[-2000:]}")
             time.sleep(0.05)
 

@@ -97,7 +97,13 @@ class Pipeline:
             yield load
 
     def _fill(self) -> None:
-        while self._pending:
+        # Setting up a buffer can cost (a shared-memory segment is zero-filled when created), so
+        # while a batch is in flight add at most two more per delivered batch: the head is
+        # delivered as soon as it is loaded, and the prefetch depth still grows to what the
+        # buffers allow.
+        budget = 2 if self._loads else len(self._pending)
+        while self._pending and budget > 0:
+            budget -= 1
             index, batch = self._pending[0]
             if not batch.ranges:
                 load = Load(index, batch, None, None, 0)

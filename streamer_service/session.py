@@ -30,7 +30,7 @@ from .engine import BUFFERED_FS_STRATEGY
 from .pipeline import Load, LoadStats, Pipeline
 from .plan import Batch, BatchKind, Plan, build_plan, select
 from .runai import NativeReader
-from .shm import Reservation, Segment, SegmentStore, ShmBudget
+from .shm import Reservation, Segment, SegmentPool
 
 __all__ = ["Handle", "Session", "SessionState", "RankState"]
 
@@ -104,8 +104,7 @@ class Session:
         world_size: int,
         *,
         slot_size: int,
-        store: SegmentStore,
-        budget: ShmBudget,
+        pool: SegmentPool,
         join_timeout_s: float,
         on_end: Callable[["Session"], None],
         clock: Callable[[], float] = time.monotonic,
@@ -121,8 +120,7 @@ class Session:
         self.created = clock()
         self.finished_at: float | None = None
         self._slot_size = slot_size
-        self._store = store
-        self._budget = budget
+        self._pool = pool
         self._join_deadline = clock() + join_timeout_s
         self._join_timeout_s = join_timeout_s
         self._on_end = on_end
@@ -193,9 +191,9 @@ class Session:
         rest = [t for t in catalog.tensors if t.name in union and t.name not in self._priority]
         plan = build_plan(first + rest, self._slot_size)
         slot_batches = sum(b.kind is BatchKind.SLOT and b.buffer_bytes > 0 for b in plan.batches)
-        self._ring_slot_bytes = plan.slot_bytes
-        by_budget = self._budget.limit // plan.slot_bytes if plan.slot_bytes else 0
-        self._ring_max = min(by_budget, slot_batches, MAX_RING_SLOTS)
+        # Ring segments are all of the daemon's slot size, so that later sessions can reuse them.
+        self._ring_slot_bytes = self._slot_size
+        self._ring_max = min(self._pool.budget.limit // self._slot_size, slot_batches, MAX_RING_SLOTS)
         self.state = SessionState.STREAMING
         now = self._clock()
         for r in self.ranks.values():
@@ -254,14 +252,10 @@ class Session:
             elif self._oversized_out:
                 return None
         nbytes = batch.buffer_bytes if oversized else self._ring_slot_bytes
-        reservation = self._budget.try_take(nbytes, oversized=oversized)
-        if reservation is None:  # other sessions hold the node's budget: wait for a release
+        got = self._pool.take(nbytes, oversized=oversized)
+        if got is None:  # other sessions hold the node's budget: wait for a release
             return None
-        try:
-            segment = self._store.create(nbytes)
-        except BaseException:
-            self._budget.give_back(reservation)
-            raise
+        segment, reservation = got
         slot = _Slot(segment, reservation, oversized)
         with self._cond:
             self._slots.append(slot)
@@ -392,8 +386,8 @@ class Session:
     def _recycle(self, slot: _Slot) -> None:
         if slot.oversized:
             self._slots.remove(slot)
-            slot.segment.close()  # unlinked now; ranks' mappings of it were dropped at release
-            self._budget.give_back(slot.reservation)
+            # Unlinked now; ranks dropped their mappings of it when they released it.
+            self._pool.give(slot.segment, slot.reservation, keep=False, now=self._clock())
             self._oversized_out = False
         else:
             self._free.append(slot)
@@ -424,8 +418,7 @@ class Session:
             slots, self._slots, self._free = self._slots, [], []
             self._refs.clear()
         for slot in slots:
-            slot.segment.close()
-            self._budget.give_back(slot.reservation)
+            self._pool.give(slot.segment, slot.reservation, keep=not slot.oversized, now=self._clock())
 
     def summary(self) -> dict:
         with self._cond:

@@ -103,6 +103,9 @@ class Settings(BaseSettings):
     """URI prefixes the daemon may read (``--allow``, repeatable; JSON list in the environment).
     Empty: any URI (the daemon logs a warning)."""
 
+    segment_idle_s: float = Field(default=30.0, ge=0)
+    """How long the daemon keeps an unused shared-memory segment for the next load (0: never)."""
+
     join_timeout_s: float = Field(default=300.0, gt=0)
     """How long the ranks of a session have to join before the daemon gives up on it."""
 

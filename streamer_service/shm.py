@@ -31,7 +31,7 @@ import numpy as np
 
 from streamer_client.errors import ConfigError
 
-__all__ = ["SEGMENT_PREFIX", "Segment", "SegmentStore", "ShmBudget", "sweep_stale_segments"]
+__all__ = ["SEGMENT_PREFIX", "Segment", "SegmentPool", "SegmentStore", "ShmBudget", "sweep_stale_segments"]
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class Segment:
                         "make the shm filesystem larger than STREAMER_SHM_BUDGET or lower the budget"
                     ) from None
                 raise
-            self._mmap = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            self._mmap = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)
@@ -132,6 +132,81 @@ class SegmentStore:
     def leftovers(self) -> list[Path]:
         """Segments of this instance still in the shm dir (tests assert none after a session)."""
         return sorted(self.shm_dir.glob(f"{self.prefix}*"))
+
+
+class SegmentPool:
+    """Segments for every session of the daemon, within one :class:`ShmBudget`.
+
+    A ring segment a session no longer needs stays mapped and idle for ``idle_s`` seconds, and
+    the next session that needs one of its size takes it as it is: its pages are already
+    allocated, so the load skips the zero-fill (about 60 ms per 256 MiB) and the first-touch
+    faults (DESIGN.md 3: "slots recycle"). Idle segments count against the budget; a request
+    that does not fit evicts them first. ``idle_s = 0`` keeps nothing.
+    """
+
+    def __init__(self, store: SegmentStore, budget: ShmBudget, idle_s: float) -> None:
+        self.store = store
+        self.budget = budget
+        self.idle_s = idle_s
+        self.reused = 0
+        self._idle: list[tuple[Segment, Reservation, float]] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int, *, oversized: bool = False) -> tuple[Segment, Reservation] | None:
+        """A segment of exactly ``nbytes``: an idle one, or a new one if the budget allows; else None."""
+        with self._lock:
+            for i, (segment, reservation, _) in enumerate(self._idle):
+                if segment.nbytes == nbytes and not oversized:
+                    del self._idle[i]
+                    self.reused += 1
+                    return segment, reservation
+        reservation = self.budget.try_take(nbytes, oversized=oversized)
+        if reservation is None and self._evict_idle():
+            reservation = self.budget.try_take(nbytes, oversized=oversized)
+        if reservation is None:
+            return None
+        try:
+            return self.store.create(nbytes), reservation
+        except BaseException:
+            self.budget.give_back(reservation)
+            raise
+
+    def give(self, segment: Segment, reservation: Reservation, *, keep: bool, now: float) -> None:
+        """Return a segment no session uses; ``keep`` it idle for reuse, or unlink it now."""
+        if keep and self.idle_s > 0 and not reservation.beyond_budget:
+            with self._lock:
+                self._idle.append((segment, reservation, now))
+            return
+        segment.close()
+        self.budget.give_back(reservation)
+
+    def trim(self, now: float) -> None:
+        """Unlink segments idle for longer than ``idle_s``."""
+        with self._lock:
+            stale = [e for e in self._idle if now - e[2] >= self.idle_s]
+            self._idle = [e for e in self._idle if now - e[2] < self.idle_s]
+        self._close(stale)
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        self._close(idle)
+
+    @property
+    def idle(self) -> int:
+        with self._lock:
+            return len(self._idle)
+
+    def _evict_idle(self) -> bool:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        self._close(idle)
+        return bool(idle)
+
+    def _close(self, entries: list[tuple[Segment, Reservation, float]]) -> None:
+        for segment, reservation, _ in entries:
+            segment.close()
+            self.budget.give_back(reservation)
 
 
 def _alive(pid: int) -> bool:

@@ -42,7 +42,9 @@ class DaemonProcess:
         self.shm_dir = root / "shm"
         self.shm_dir.mkdir(exist_ok=True)
         self.log = root / "daemon.log"
-        self.env = {**os.environ, **env, "STREAMER_SHM_DIR": str(self.shm_dir)}
+        # Segments unlinked as soon as a session ends, so tests can assert an empty shm dir;
+        # test_segments_are_reused_across_sessions turns the pool on.
+        self.env = {**os.environ, "STREAMER_SEGMENT_IDLE_S": "0", **env, "STREAMER_SHM_DIR": str(self.shm_dir)}
         self.extra = extra
         self.proc: subprocess.Popen | None = None
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import re
 import signal
 import stat
@@ -107,8 +108,10 @@ def test_budget_four_times_smaller_than_the_union(sample, daemon):
         results = [finish(p) for p in [d.start_rank(str(sample), r, 2, sample, selections[r]) for r in range(2)]]
     assert all(r["bad"] == [] and len(r["got"]) == len(selections[r["rank"]]) for r in results)
     stats = d.stats()
-    assert 0 < stats["shm_peak"] <= budget + largest
-    assert 0 < shm.peak <= budget + largest
+    # One oversized tensor's segment may exceed the budget: the tensor plus its page-alignment pad.
+    bound = budget + largest + mmap.PAGESIZE
+    assert 0 < stats["shm_peak"] <= bound
+    assert 0 < shm.peak <= bound
     assert list(d.shm_dir.iterdir()) == []
 
 
@@ -255,3 +258,22 @@ def test_tcp_without_a_token_refuses_to_start(tmp_path):
     )  # fmt: skip
     assert result.returncode == 1
     assert "--tcp-port needs a bearer token in STREAMER_TOKEN" in result.stderr
+
+
+def test_segments_are_reused_across_sessions_then_trimmed(sample, daemon):
+    d = daemon({"STREAMER_SEGMENT_IDLE_S": "3", "STREAMER_SLOT_SIZE": "4MiB"}, "--shm-budget", "16MiB")
+    names = [t.name for t in _catalog(sample).tensors]
+    first = finish(d.start_rank(str(sample), 0, 1, sample, names))
+    kept = sorted(p.name for p in d.shm_dir.iterdir())
+    assert first["bad"] == [] and kept  # idle segments stay mapped for the next load
+    stats = d.stats()
+    assert stats["segments_idle"] == len(kept) and stats["shm_in_use"] == len(kept) * 4 * 2**20
+    second = finish(d.start_rank(str(sample), 0, 1, sample, names))
+    assert second["bad"] == []
+    assert d.stats()["segments_reused"] >= len(kept)
+    assert set(kept) <= {p.name for p in d.shm_dir.iterdir()}  # the same files served the second load
+    deadline = time.monotonic() + 15
+    while list(d.shm_dir.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert list(d.shm_dir.iterdir()) == []  # trimmed once idle for STREAMER_SEGMENT_IDLE_S
+    assert d.stats()["shm_in_use"] == 0

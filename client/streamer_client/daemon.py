@@ -136,7 +136,7 @@ class _Segments:
                 if self._private:
                     mapping = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
                 else:
-                    mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
+                    mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
             finally:
                 os.close(fd)
             self._maps[name] = (mapping, np.frombuffer(mapping, dtype=np.uint8))
