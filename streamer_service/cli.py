@@ -24,9 +24,9 @@ EXIT_USAGE = 2
 def _settings(args: argparse.Namespace) -> Settings:
     """The environment's settings with this command's flags on top, validated alike."""
     update = {}
-    for field in ("cache_dir", "shm_dir", "socket", "shm_budget", "allow", "tcp_port"):
+    for field in ("cache_dir", "shm_dir", "socket", "shm_budget", "allow", "tcp_port", "group_access"):
         value = getattr(args, field, None)
-        if value not in (None, []):
+        if value not in (None, [], False):
             update[field] = value
     return Settings(**update) if update else get_settings()
 
@@ -56,23 +56,29 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from .server import serve
 
-    return serve(_settings(args), socket_mode=0o660 if args.group_access else 0o600)
+    settings = _settings(args)
+    return serve(settings, socket_mode=0o660 if settings.group_access else 0o600)
 
 
 def cmd_health(args: argparse.Namespace) -> int:
-    from streamer_client.daemon import DaemonClient
+    # A probe runs every few seconds in every pod: plain httpx, no torch import (the client's is heavy).
+    import httpx
+
+    from .server import DEFAULT_SOCKET
 
     settings = _settings(args)
-    path = Path(settings.socket) if settings.socket else None
-    if path is None:
-        from .server import DEFAULT_SOCKET
-
-        path = DEFAULT_SOCKET
-    client = DaemonClient(path, connect_timeout_s=2.0)
+    path = Path(settings.socket) if settings.socket else DEFAULT_SOCKET
+    route = "/readyz" if args.ready else "/healthz"
     try:
-        print(client.call("/readyz" if args.ready else "/healthz")["status"])
-    finally:
-        client.close()
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(path)), base_url="http://daemon", timeout=5) as client:
+            reply = client.get(route)
+    except httpx.HTTPError as exc:
+        print(f"streamer-service health: no daemon answers at {path}: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    if reply.status_code != 200:
+        print(f"streamer-service health: {route} answered {reply.status_code}", file=sys.stderr)
+        return EXIT_ERROR
+    print(reply.json().get("status"))
     return 0
 
 
@@ -111,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shm-dir", help="shared-memory dir shared with the ranks (STREAMER_SHM_DIR)")
     serve.add_argument("--shm-budget", help="most shared memory in use, e.g. 16GiB (STREAMER_SHM_BUDGET)")
     serve.add_argument("--allow", action="append", default=[], metavar="PREFIX", help="URI prefix the daemon may read (repeatable)")
-    serve.add_argument("--group-access", action="store_true", help="socket mode 0660 instead of 0600")
+    serve.add_argument("--group-access", action="store_true", help="socket 0660 and segments 0640 (STREAMER_GROUP_ACCESS)")
     serve.add_argument("--tcp-port", type=int, help="also listen on 127.0.0.1:PORT; needs STREAMER_TOKEN")
     serve.set_defaults(run=cmd_serve)
 
@@ -139,6 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"streamer-service: invalid configuration: {exc}", file=sys.stderr)
         return EXIT_USAGE
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     try:
         return args.run(args)
     except StreamerError as exc:

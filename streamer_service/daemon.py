@@ -49,7 +49,7 @@ class Daemon:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        self.store = SegmentStore(Path(self.settings.shm_dir))
+        self.store = SegmentStore(Path(self.settings.shm_dir), 0o640 if self.settings.group_access else 0o600)
         sweep_stale_segments(self.store.shm_dir)
         self.pool = SegmentPool(self.store, self.budget, self.settings.segment_idle_s)
         if not self._allow:

@@ -93,6 +93,10 @@ class Settings(BaseSettings):
         default="blob.core.windows.net", validation_alias=AliasChoices("AZURE_STORAGE_ENDPOINT_SUFFIX")
     )
 
+    group_access: bool = False
+    """Socket 0660 and segments 0640 instead of 0600 (``serve --group-access``): ranks of another
+    UID in the daemon's group may connect and map tensors."""
+
     tcp_port: int | None = Field(default=None, ge=1, le=65535)
     """Also serve on 127.0.0.1:PORT (``serve --tcp-port``); requires ``STREAMER_TOKEN``."""
 

@@ -44,11 +44,11 @@ class Segment:
 
     __slots__ = ("name", "path", "nbytes", "_mmap", "array", "address")
 
-    def __init__(self, name: str, path: Path, nbytes: int) -> None:
+    def __init__(self, name: str, path: Path, nbytes: int, mode: int = 0o600) -> None:
         self.name = name
         self.path = path
         self.nbytes = nbytes
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
         try:
             try:
                 os.posix_fallocate(fd, 0, nbytes)
@@ -60,6 +60,7 @@ class Segment:
                         "make the shm filesystem larger than STREAMER_SHM_BUDGET or lower the budget"
                     ) from None
                 raise
+            os.fchmod(fd, mode)  # exactly this mode, whatever the umask
             self._mmap = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
@@ -115,8 +116,9 @@ class ShmBudget:
 class SegmentStore:
     """Creates this daemon instance's segments; knows how to sweep those of dead daemons."""
 
-    def __init__(self, shm_dir: Path) -> None:
+    def __init__(self, shm_dir: Path, mode: int = 0o600) -> None:
         self.shm_dir = Path(shm_dir)
+        self.mode = mode
         if not self.shm_dir.is_dir():
             raise ConfigError(f"shared-memory dir {self.shm_dir} does not exist (STREAMER_SHM_DIR / --shm-dir)")
         self.prefix = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-"
@@ -127,7 +129,7 @@ class SegmentStore:
         with self._lock:
             self._counter += 1
             name = f"{self.prefix}{self._counter}"
-        return Segment(name, self.shm_dir / name, nbytes)
+        return Segment(name, self.shm_dir / name, nbytes, self.mode)
 
     def leftovers(self) -> list[Path]:
         """Segments of this instance still in the shm dir (tests assert none after a session)."""

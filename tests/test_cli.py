@@ -45,3 +45,9 @@ def test_bad_setting_is_a_usage_error(tmp_path):
     result = run("pull", str(tmp_path), env={**os.environ, "STREAMER_LOCK_TIMEOUT_S": "soon"})
     assert result.returncode == 2
     assert "invalid configuration" in result.stderr and "lock_timeout_s" in result.stderr
+
+
+def test_health_without_a_daemon_fails_clearly(tmp_path):
+    result = run("health", "--socket", str(tmp_path / "none.sock"))
+    assert result.returncode == 1
+    assert f"no daemon answers at {tmp_path / 'none.sock'}" in result.stderr

@@ -191,6 +191,15 @@ def test_uri_outside_allow_is_refused_and_daemon_stays_up(sample, tmp_path, daem
     assert d.healthy()
 
 
+def test_group_access_opens_socket_and_segments_to_the_group(sample, daemon):
+    d = daemon({}, "--group-access", "--shm-budget", "8MiB")
+    names = [t.name for t in _catalog(sample).tensors]
+    with ShmSampler(d.shm_dir) as shm:
+        assert finish(d.start_rank(str(sample), 0, 1, sample, names))["bad"] == []
+    assert shm.modes == {0o640}
+    assert stat.S_IMODE(d.socket.stat().st_mode) == 0o660
+
+
 def _join(c: httpx.Client, uri: str, **kw) -> httpx.Response:
     body = {"uri": uri, "session": "s", "rank": 0, "world_size": 1, **kw}
     return c.post("/v1/sessions/join", json=body, timeout=60)
@@ -217,6 +226,9 @@ def test_api_bad_input_is_a_clear_error(sample, daemon):
         r = c.post("/v1/sessions/join", json={"uri": "x" * 5000, "session": "s", "rank": 0, "world_size": 1})
         assert r.status_code == 422
         assert c.get("/healthz").json() == {"status": "ok"}
+    for args, word in ((["health"], "ok"), (["health", "--ready"], "ready")):
+        probe = subprocess.run([sys.executable, "-m", "streamer_service", *args, "--socket", str(d.socket)], capture_output=True, text=True, timeout=60)
+        assert (probe.returncode, probe.stdout.strip(), probe.stderr) == (0, word, "")
     assert list(d.shm_dir.iterdir()) == []
 
 
