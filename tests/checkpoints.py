@@ -190,3 +190,20 @@ class CountingStorage(DirStorage):
         with self._lock:
             self.reads.append((name, offset, length))
         return super().read_range(name, offset, length)
+
+
+def ground_truth(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of an indexed checkpoint, as ``safetensors.torch.load_file`` reads it."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    weight_map = json.loads((directory / INDEX_NAME).read_text())["weight_map"]
+    truth: dict[str, torch.Tensor] = {}
+    for shard in dict.fromkeys(weight_map.values()):
+        truth.update(load_file(directory / shard))
+    return truth
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """A tensor's raw bytes, through uint8: works for bf16 / f8 / bool and for 0-d and empty tensors."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()

@@ -10,26 +10,17 @@ import textwrap
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 import streamer_client
-from checkpoints import INDEX_NAME, make_sharded_checkpoint, mixed_tensors
+from checkpoints import ground_truth, make_sharded_checkpoint, mixed_tensors, tensor_bytes
 from streamer_client.errors import ConfigError, SelectionError
-
-
-def _truth(directory) -> dict[str, torch.Tensor]:
-    truth = {}
-    for shard in set(json.loads((directory / INDEX_NAME).read_text())["weight_map"].values()):
-        truth.update(load_file(directory / shard))
-    return truth
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return (
         a.dtype == b.dtype
         and a.shape == b.shape
-        and a.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        == b.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        and tensor_bytes(a) == tensor_bytes(b)
     )
 
 
@@ -44,7 +35,7 @@ def checkpoint(tmp_path):
 
 def test_load_state_dict_matches_safetensors(checkpoint):
     got = streamer_client.load_state_dict(str(checkpoint), budget="256KiB")
-    truth = _truth(checkpoint)
+    truth = ground_truth(checkpoint)
     assert set(got) == set(truth)
     for name in truth:
         assert _same(got[name], truth[name]), name
@@ -96,10 +87,10 @@ def test_stream_from_each_backend_in_a_rank_process(backend, checkpoint):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     got = json.loads(result.stdout.splitlines()[-1])
-    truth = _truth(checkpoint)
+    truth = ground_truth(checkpoint)
     assert set(got) == set(truth)
     for name, t in truth.items():
-        assert bytes.fromhex(got[name]) == t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes(), name
+        assert bytes.fromhex(got[name]) == tensor_bytes(t), name
     if backend.proxy is not None:
         # Tensor bytes came through storage once: ranged GETs cover at most the shards' size.
         assert backend.proxy.count(has_range=True) > 0

@@ -42,9 +42,9 @@ from streamer_client.cuda import (
 from streamer_client.errors import ConfigError
 
 if __package__:  # tests/ is a package (tests/__init__.py); see conftest.py
-    from .checkpoints import INDEX_NAME, make_sharded_checkpoint, many_small_tensors, mixed_tensors
+    from .checkpoints import INDEX_NAME, ground_truth, make_sharded_checkpoint, many_small_tensors, mixed_tensors
 else:
-    from checkpoints import INDEX_NAME, make_sharded_checkpoint, many_small_tensors, mixed_tensors
+    from checkpoints import INDEX_NAME, ground_truth, make_sharded_checkpoint, many_small_tensors, mixed_tensors
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -223,14 +223,6 @@ def _bytes_equal(got: torch.Tensor, expected: torch.Tensor) -> bool:
     return bool(torch.equal(a, b))
 
 
-def _ground_truth(directory: Path) -> dict[str, torch.Tensor]:
-    weight_map = json.loads((directory / INDEX_NAME).read_text())["weight_map"]
-    truth: dict[str, torch.Tensor] = {}
-    for shard in dict.fromkeys(weight_map.values()):
-        truth.update(load_file(directory / shard))
-    return truth
-
-
 def _random_host_bytes(nbytes: int, seed: int = 0) -> np.ndarray:
     """Random bytes in a private anonymous mapping (like a ring slot)."""
     memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -373,7 +365,7 @@ def many_batches(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
     tensors["huge.weight"] = torch.randn(256, 1024, generator=torch.Generator().manual_seed(1))  # 1 MiB
     tensors.update({f"small.{k}": v for k, v in many_small_tensors(3000).items()})
     make_sharded_checkpoint(directory, tensors, n_shards=3)
-    return directory, _ground_truth(directory)
+    return directory, ground_truth(directory)
 
 
 def _slow_copies(monkeypatch, cycles: int = 20_000_000) -> None:

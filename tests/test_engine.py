@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from streamer_client.errors import ConfigError, ObjectChangedError, SelectionError, StorageError
 from streamer_service.catalog import build_catalog
@@ -26,9 +25,9 @@ from streamer_service.storage import open_storage
 from streamer_service.uri import parse_uri
 
 if __package__:  # tests/ is a package (tests/__init__.py); see conftest.py
-    from .checkpoints import INDEX_NAME, make_sharded_checkpoint, many_small_tensors, mixed_tensors
+    from .checkpoints import ground_truth, make_sharded_checkpoint, many_small_tensors, mixed_tensors, tensor_bytes
 else:
-    from checkpoints import INDEX_NAME, make_sharded_checkpoint, many_small_tensors, mixed_tensors
+    from checkpoints import ground_truth, make_sharded_checkpoint, many_small_tensors, mixed_tensors, tensor_bytes
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -44,24 +43,11 @@ def _full_checkpoint() -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _ground_truth(directory: Path) -> dict[str, torch.Tensor]:
-    weight_map = json.loads((directory / INDEX_NAME).read_text())["weight_map"]
-    truth: dict[str, torch.Tensor] = {}
-    for shard in dict.fromkeys(weight_map.values()):
-        truth.update(load_file(directory / shard))
-    return truth
-
-
-def _bytes(t: torch.Tensor) -> bytes:
-    # Through uint8: works for bf16 / f8 / bool, which numpy cannot represent, and for 0-d tensors.
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
 def assert_same(name: str, got: torch.Tensor, truth: dict[str, torch.Tensor]) -> None:
     expected = truth[name]
     assert got.dtype == expected.dtype, name
     assert got.shape == expected.shape, name
-    assert _bytes(got) == _bytes(expected), name
+    assert tensor_bytes(got) == tensor_bytes(expected), name
 
 
 def _engine(directory: Path, budget: int = BUDGET, slot: int = SLOT, **kwargs) -> EmbeddedEngine:
@@ -74,7 +60,7 @@ def _engine(directory: Path, budget: int = BUDGET, slot: int = SLOT, **kwargs) -
 def full_checkpoint(tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
     directory = tmp_path_factory.mktemp("full")
     make_sharded_checkpoint(directory, _full_checkpoint(), n_shards=3)
-    return directory, _ground_truth(directory)
+    return directory, ground_truth(directory)
 
 
 @pytest.fixture
@@ -83,7 +69,7 @@ def small_checkpoint(tmp_path) -> tuple[Path, dict[str, torch.Tensor]]:
     tensors = mixed_tensors()
     tensors["big"] = torch.randn(64, 1024)  # 256 KiB: oversized for SLOT
     make_sharded_checkpoint(tmp_path / "ckpt", tensors, n_shards=3)
-    return tmp_path / "ckpt", _ground_truth(tmp_path / "ckpt")
+    return tmp_path / "ckpt", ground_truth(tmp_path / "ckpt")
 
 
 # --------------------------------------------------------------------------- delivery
@@ -382,7 +368,7 @@ def test_streams_byte_exact_from_each_backend(backend, tmp_path):
     tensors = mixed_tensors()
     tensors["big"] = torch.randn(64, 1024)  # oversized for SLOT
     make_sharded_checkpoint(source, tensors, n_shards=3)
-    truth = _ground_truth(source)
+    truth = ground_truth(source)
     backend.put_tree("ckpt", {p.name: p.read_bytes() for p in source.iterdir()})
     uri = parse_uri(backend.uri("ckpt"))
     catalog = build_catalog(open_storage(uri, Settings()))

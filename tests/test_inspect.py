@@ -10,7 +10,7 @@ import sys
 import torch
 from safetensors.torch import load_file
 
-from checkpoints import make_sharded_checkpoint, mixed_tensors
+from checkpoints import make_sharded_checkpoint, mixed_tensors, tensor_bytes
 from streamer_service.checkpoint import open_checkpoint
 from streamer_service.settings import Settings
 
@@ -18,10 +18,6 @@ from streamer_service.settings import Settings
 def _upload(backend, src, prefix="ckpt") -> str:
     backend.put_tree(prefix, {p.name: p.read_bytes() for p in src.iterdir()})
     return backend.uri(prefix)
-
-
-def _as_bytes(t: torch.Tensor) -> bytes:
-    return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
 def test_inspect_json_slices_exact_tensor_bytes(backend, tmp_path):
@@ -45,7 +41,7 @@ def test_inspect_json_slices_exact_tensor_bytes(backend, tmp_path):
         truth.update(load_file(src / shard))
     for r in rows:
         raw = (src / r["file"]).read_bytes()[r["offset"] : r["offset"] + r["nbytes"]]
-        assert raw == _as_bytes(truth[r["name"]]), r["name"]
+        assert raw == tensor_bytes(truth[r["name"]]), r["name"]
         assert r["shape"] == list(truth[r["name"]].shape)
 
 
