@@ -104,3 +104,21 @@ def test_demo_runs_and_verifies(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "demo: OK, every tensor matches safetensors" in result.stdout
     assert result.stdout.count("byte-exact") == 2
+
+
+FALLBACK = """
+import logging, sys, streamer_client
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+for _ in range(2):
+    assert len(streamer_client.load_state_dict(sys.argv[1])) > 0
+print("ok")
+"""
+
+
+def test_unreachable_daemon_falls_back_in_process_and_says_so_once(checkpoint, tmp_path):
+    env = {**os.environ, "STREAMER_SOCKET": str(tmp_path / "nobody.sock")}
+    result = subprocess.run([sys.executable, "-c", FALLBACK, str(checkpoint)], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "ok"
+    said = [line for line in result.stderr.splitlines() if "no streamer daemon answers at" in line]
+    assert len(said) == 1 and said[0].startswith("WARNING") and str(tmp_path / "nobody.sock") in said[0]

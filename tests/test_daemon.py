@@ -226,6 +226,9 @@ def test_api_bad_input_is_a_clear_error(sample, daemon):
         r = c.post("/v1/sessions/join", json={"uri": "x" * 5000, "session": "s", "rank": 0, "world_size": 1})
         assert r.status_code == 422
         assert c.get("/healthz").json() == {"status": "ok"}
+        paths = set(c.get("/openapi.json").json()["paths"])
+        assert {"/healthz", "/readyz", "/v1/stats", "/v1/metadata", "/v1/sessions/join"} <= paths
+        assert {"/v1/sessions/{session_id}/ranks/{rank}/next", "/v1/sessions/{session_id}/ranks/{rank}/leave"} <= paths
     for args, word in ((["health"], "ok"), (["health", "--ready"], "ready")):
         probe = subprocess.run([sys.executable, "-m", "streamer_service", *args, "--socket", str(d.socket)], capture_output=True, text=True, timeout=60)
         assert (probe.returncode, probe.stdout.strip(), probe.stderr) == (0, word, "")
