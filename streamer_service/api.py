@@ -6,6 +6,7 @@ from ``streamer_client.errors``, which the client raises again):
     GET  /healthz                                   the process is up
     GET  /readyz                                    the daemon can take sessions
     GET  /v1/stats                                  budget, bytes read, sessions
+    GET  /metrics                                   Prometheus text format
     POST /v1/metadata                               pull a URI's metadata; -> {"path"}
     POST /v1/sessions/join                          join a load as rank r; blocks until all ranks joined
     POST /v1/sessions/{id}/ranks/{rank}/next        release batches, long-poll ready handles
@@ -22,12 +23,13 @@ from collections.abc import AsyncIterator
 import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from streamer_client import errors
 
 from .daemon import Daemon
+from .metrics import CONTENT_TYPE
 from .settings import Settings
 
 __all__ = ["create_app"]
@@ -110,11 +112,13 @@ def create_app(settings: Settings) -> FastAPI:
     @app.exception_handler(errors.StreamerError)
     async def streamer_error(request: Request, exc: errors.StreamerError) -> JSONResponse:
         status = next((code for cls, code in _STATUS if isinstance(exc, cls)), 500)
+        request.app.state.daemon.metrics.errors.labels(type=type(exc).__name__).inc()
         body = {"error": {"type": type(exc).__name__, "message": exc.message, "uri": exc.uri, "key": exc.key}}
         return JSONResponse(body, status_code=status)
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        request.app.state.daemon.metrics.errors.labels(type="ConfigError").inc()
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()[:5])
         body = {"error": {"type": "ConfigError", "message": f"invalid request: {problems}", "uri": None, "key": None}}
         return JSONResponse(body, status_code=422)
@@ -130,6 +134,10 @@ def create_app(settings: Settings) -> FastAPI:
     def readyz(request: Request) -> dict:
         d = daemon(request)
         return {"status": "ready", "shm_dir": str(d.store.shm_dir), "shm_budget": d.budget.limit}
+
+    @app.get("/metrics")
+    def metrics(request: Request) -> Response:
+        return Response(daemon(request).metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/stats")
     def stats(request: Request) -> dict:

@@ -16,6 +16,7 @@ from streamer_client.errors import SessionError, StorageAccessDeniedError
 
 from .checkpoint import open_checkpoint
 from .metadata import MetadataCache
+from .metrics import Metrics
 from .runai import check_credentials
 from .session import Session, SessionState
 from .settings import Settings
@@ -45,6 +46,7 @@ class Daemon:
         self.store: SegmentStore | None = None
         self.pool: SegmentPool | None = None
         self._allow = [parse_uri(p).normalized for p in settings.allow]
+        self.metrics = Metrics(self.stats)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -100,7 +102,10 @@ class Daemon:
 
     def pull(self, uri: str, *, force: bool | None, launch_id: str | None) -> Path:
         parsed = self.check_allowed(uri)
-        return MetadataCache(self.settings).pull(parsed, force=force, launch_id=launch_id)
+        cache = MetadataCache(self.settings)
+        path = cache.pull(parsed, force=force, launch_id=launch_id)
+        self.metrics.metadata.labels(result="miss" if cache.downloads else "hit").inc()
+        return path
 
     def join(
         self,
@@ -151,6 +156,7 @@ class Daemon:
 
     def _ended(self, session: Session) -> None:
         summary = session.summary()
+        self.metrics.session_ended(summary, session.checkpoint.uri.scheme.value)
         with self._lock:
             if self.sessions.get(session.key) is session:
                 del self.sessions[session.key]

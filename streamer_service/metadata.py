@@ -128,6 +128,7 @@ class MetadataCache:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.root = Path(settings.cache_dir)
+        self.downloads = 0  # pulls this object performed (0 after a cache hit)
 
     def dir_for(self, uri: StorageURI) -> Path:
         return self.root / uri.cache_key
@@ -172,6 +173,7 @@ class MetadataCache:
             self._sweep(uri)
             with open_storage(uri, self.settings) as storage:
                 marker = self._pull_locked(uri, storage, final, launch)
+        self.downloads += 1
         return final, marker
 
     def _usable(self, final: Path, force: bool, launch: str) -> Marker | None:

@@ -41,6 +41,19 @@ def _upload(backend, src: Path) -> str:
     return backend.uri("ckpt")
 
 
+def _scrape(d: DaemonProcess) -> dict:
+    """``/metrics`` parsed: {(sample name, sorted labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with d.client() as c:
+        text = c.get("/metrics").text
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
 def _range_bytes(backend) -> int:
     """Tensor-file bytes the storage served, from the proxy's log of Range headers."""
     total = 0
@@ -87,6 +100,14 @@ def test_four_ranks_overlapping_selections_read_each_byte_once(backend, sample, 
 
     stats = d.stats()
     assert stats["bytes_read"] == unique
+    scheme = "file" if backend.proxy is None else "s3"
+    metrics = _scrape(d)
+    assert metrics[("streamer_storage_bytes_read_total", (("scheme", scheme),))] == unique
+    for r in range(WORLD):
+        want = sum(catalog[n].nbytes for n in selections[r])
+        assert metrics[("streamer_rank_bytes_delivered_total", (("rank", str(r)),))] == want
+    assert metrics[("streamer_sessions_total", (("outcome", "done"),))] == 1
+    assert metrics[("streamer_shm_bytes_in_use", ())] == 0
     if backend.proxy is not None:
         served = _range_bytes(backend)
         assert unique <= served <= unique * 1.001, (served, unique)
@@ -226,6 +247,7 @@ def test_api_bad_input_is_a_clear_error(sample, daemon):
         r = c.post("/v1/sessions/join", json={"uri": "x" * 5000, "session": "s", "rank": 0, "world_size": 1})
         assert r.status_code == 422
         assert c.get("/healthz").json() == {"status": "ok"}
+        assert _scrape(d)[("streamer_errors_total", (("type", "SelectionError"),))] == 1
         paths = set(c.get("/openapi.json").json()["paths"])
         assert {"/healthz", "/readyz", "/v1/stats", "/v1/metadata", "/v1/sessions/join"} <= paths
         assert {"/v1/sessions/{session_id}/ranks/{rank}/next", "/v1/sessions/{session_id}/ranks/{rank}/leave"} <= paths
@@ -243,6 +265,11 @@ def test_pull_metadata_through_the_daemon(sample, daemon, tmp_path):
     path = Path(result.stdout.strip())
     assert (path / "config.json").is_file() and (path / ".runai_complete").is_file()
     assert "pulled 2 metadata files" in d.log.read_text()  # the daemon pulled it, not the rank
+    again = subprocess.run([sys.executable, "-c", code, str(sample)], env=d.rank_env(), capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0 and Path(again.stdout.strip()) == path
+    metrics = _scrape(d)
+    assert metrics[("streamer_metadata_pulls_total", (("result", "miss"),))] == 1
+    assert metrics[("streamer_metadata_pulls_total", (("result", "hit"),))] == 1
 
 
 def test_tcp_listener_is_loopback_and_needs_the_token(sample, daemon):

@@ -1,0 +1,59 @@
+"""Prometheus metrics of the daemon, served at ``GET /metrics``.
+
+One registry per daemon (not the process-global one), so tests can run several. Counters are
+updated when a session ends or a request fails; gauges are read from the daemon at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+__all__ = ["Metrics", "CONTENT_TYPE"]
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _Gauges(Collector):
+    def __init__(self, read: Callable[[], dict]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        stats = self._read()
+        for name, doc, key in (
+            ("streamer_shm_bytes_in_use", "Shared-memory segment bytes held (sessions and idle pool)", "shm_in_use"),
+            ("streamer_shm_budget_bytes", "The shared-memory budget", "shm_budget"),
+            ("streamer_shm_peak_bytes", "Most segment bytes held at once since start", "shm_peak"),
+            ("streamer_segments_idle", "Idle segments kept for the next load", "segments_idle"),
+        ):
+            yield GaugeMetricFamily(name, doc, value=stats[key])
+        yield GaugeMetricFamily("streamer_sessions_active", "Sessions joining or streaming", value=len(stats["sessions"]))
+
+
+class Metrics:
+    def __init__(self, read_stats: Callable[[], dict]) -> None:
+        self.registry = CollectorRegistry()
+        self.storage_bytes = Counter(
+            "streamer_storage_bytes_read", "Bytes read from storage into shared memory", ["scheme"], registry=self.registry
+        )
+        self.delivered_bytes = Counter(
+            "streamer_rank_bytes_delivered", "Bytes handed to ranks, by rank number", ["rank"], registry=self.registry
+        )
+        self.sessions = Counter("streamer_sessions", "Sessions ended, by outcome", ["outcome"], registry=self.registry)
+        self.errors = Counter("streamer_errors", "Requests refused or failed, by error type", ["type"], registry=self.registry)
+        self.metadata = Counter(
+            "streamer_metadata_pulls", "Metadata pulls, by cache result (hit: no storage request)", ["result"], registry=self.registry
+        )
+        self.registry.register(_Gauges(read_stats))
+
+    def session_ended(self, summary: dict, scheme: str) -> None:
+        self.storage_bytes.labels(scheme=scheme).inc(summary["bytes_read"])
+        for rank, info in summary["ranks"].items():
+            self.delivered_bytes.labels(rank=str(rank)).inc(info["bytes_delivered"])
+        self.sessions.labels(outcome=summary["state"]).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
