@@ -32,12 +32,13 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
+    from .launch import resolve_launch_id
     from .metadata import MetadataCache
 
     settings = _settings(args)
     # A CLI invocation is its own launch unless one is configured: `pull --force`
     # typed twice in one shell re-downloads twice (docs/metadata-cache.md).
-    launch = args.launch_id or settings.launch_id or settings.torchelastic_run_id or f"cli-{os.getpid()}"
+    launch = resolve_launch_id(settings, args.launch_id, fallback=f"cli-{os.getpid()}")
     path = MetadataCache(settings).pull(args.uri, force=True if args.force else None, launch_id=launch)
     print(path)
     return 0

@@ -9,5 +9,5 @@ from .settings import Settings
 __all__ = ["resolve_launch_id", "process_launch_id"]
 
 
-def resolve_launch_id(settings: Settings, explicit: str | None = None) -> str:
-    return _resolve(explicit, settings.launch_id, settings.torchelastic_run_id)
+def resolve_launch_id(settings: Settings, explicit: str | None = None, fallback: str | None = None) -> str:
+    return _resolve(explicit, settings.launch_id, settings.torchelastic_run_id, fallback)

@@ -1,4 +1,5 @@
 import subprocess
+from pathlib import Path
 import sys
 
 import pytest
@@ -51,3 +52,18 @@ def test_health_without_a_daemon_fails_clearly(tmp_path):
     result = run("health", "--socket", str(tmp_path / "none.sock"))
     assert result.returncode == 1
     assert f"no daemon answers at {tmp_path / 'none.sock'}" in result.stderr
+
+
+def test_cli_and_api_agree_on_the_torchrun_launch(tmp_path):
+    import json
+    import os
+
+    src = tmp_path / "model"
+    src.mkdir()
+    (src / "config.json").write_text("{}")
+    env = {**os.environ, "TORCHELASTIC_RUN_ID": "run-7", "STREAMER_CACHE_DIR": str(tmp_path / "cache")}
+    result = run("pull", str(src), env=env)
+    assert result.returncode == 0, result.stderr
+    marker = json.loads((Path(result.stdout.strip().splitlines()[-1]) / ".runai_complete").read_text())
+    # The launch id the Python API derives for every torchrun rank: a forced CLI pull counts as one of them.
+    assert marker["launch_id"] == "torchelastic-run-7"

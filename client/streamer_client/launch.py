@@ -32,11 +32,14 @@ def process_launch_id(pid: int) -> str:
     return f"ppid-{pid}-{_start_ticks(pid)}"
 
 
-def resolve_launch_id(explicit: str | None, configured: str | None, torchelastic_run_id: str | None) -> str:
+def resolve_launch_id(
+    explicit: str | None, configured: str | None, torchelastic_run_id: str | None, fallback: str | None = None
+) -> str:
+    """The launch id by the rules above; ``fallback`` replaces rule 3 (the CLI is its own launch)."""
     if explicit:
         return explicit
     if configured:
         return configured
     if torchelastic_run_id and torchelastic_run_id != "none":
         return f"torchelastic-{torchelastic_run_id}"
-    return process_launch_id(os.getppid())
+    return fallback or process_launch_id(os.getppid())
