@@ -49,6 +49,7 @@ for path in (REPO / "client", REPO):  # run from a checkout
 
 import streamer_client  # noqa: E402
 from streamer_client.cuda import PinnedCopier, address_of  # noqa: E402
+from streamer_service.server import ChildDaemon  # noqa: E402
 
 GB = 1e9
 MIB = 2**20
@@ -273,40 +274,6 @@ def two_ranks(kind: str, arg: str, reps: int, expected: int, cache_dir: Path, en
     return [got[r] for r in range(world)]
 
 
-class _Daemon:
-    """`streamer-service serve` on a private socket and shm dir, for the daemon rows."""
-
-    def __init__(self, root: Path, budget: str) -> None:
-        self.shm_dir = Path(tempfile.mkdtemp(prefix="gpu-bench-shm-", dir="/dev/shm"))
-        self.socket = root / "daemon.sock"
-        cmd = [sys.executable, "-m", "streamer_service", "--log-level", "WARNING", "serve",
-               "--socket", str(self.socket), "--shm-dir", str(self.shm_dir), "--shm-budget", budget]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, env={**os.environ, "STREAMER_CACHE_DIR": str(root / "daemon-cache")})
-        from streamer_client.daemon import DaemonClient
-
-        client = DaemonClient(self.socket)
-        deadline = time.monotonic() + 60
-        while not client.reachable():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit("gpu_bench: the daemon did not start")
-            time.sleep(0.1)
-        self.client = client
-
-    def env(self) -> dict[str, str]:
-        return {"STREAMER_SOCKET": str(self.socket), "STREAMER_SHM_DIR": str(self.shm_dir)}
-
-    def bytes_read(self) -> int:
-        return self.client.call("/v1/stats")["bytes_read"]
-
-    def close(self) -> None:
-        import shutil
-
-        self.client.close()
-        self.proc.terminate()
-        self.proc.wait(timeout=30)
-        shutil.rmtree(self.shm_dir, ignore_errors=True)
-
-
 # --------------------------------------------------------------------------- main
 
 
@@ -387,12 +354,12 @@ def main(argv: list[str] | None = None) -> None:
             per_rank = two_ranks("e2e", str(directory), args.e2e_reps, total, Path(tmp))
             for r, rates in enumerate(per_rank):
                 add(f"e2e, 2 ranks at once: rank {r} -> cuda:{r}", rates, "each reads every byte")
-        daemon = _Daemon(Path(tmp), args.daemon_budget)
+        daemon = ChildDaemon(Path(tmp), args.daemon_budget, env={"STREAMER_CACHE_DIR": str(Path(tmp) / "daemon-cache")})
         try:
             for world in sorted({1, args.ranks}):
-                before = daemon.bytes_read()
+                before = daemon.stats()["bytes_read"]
                 per_rank = two_ranks("daemon", str(directory), args.e2e_reps, total, Path(tmp) / "rank-cache", daemon.env(), world)
-                read = (daemon.bytes_read() - before) / (args.e2e_reps + 1)
+                read = (daemon.stats()["bytes_read"] - before) / (args.e2e_reps + 1)
                 for r, rates in enumerate(per_rank):
                     add(f"daemon e2e, {world} rank(s): rank {r} -> cuda:{r % torch.cuda.device_count()}", rates,
                         f"node read {read / total:.3f}x the checkpoint per load")

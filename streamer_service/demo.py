@@ -202,52 +202,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--embedded", action="store_true", help="no daemon: each rank reads its own selection")
 
 
-class _DemoDaemon:
-    """A `streamer-service serve` child on a private socket and shm dir, for the demo's ranks."""
-
-    def __init__(self, root: Path, budget: str) -> None:
-        import subprocess
-        import sys
-
-        shm_parent = "/dev/shm" if os.path.isdir("/dev/shm") else str(root)
-        self.shm_dir = Path(tempfile.mkdtemp(prefix="streamer-demo-", dir=shm_parent))
-        self.socket = root / "daemon.sock"
-        self.log = root / "daemon.log"
-        cmd = [sys.executable, "-m", "streamer_service", "serve", "--socket", str(self.socket),
-               "--shm-dir", str(self.shm_dir), "--shm-budget", budget]  # fmt: skip
-        with open(self.log, "wb") as log_file:
-            self.proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT)
-        from streamer_client.daemon import DaemonClient
-
-        self.client = DaemonClient(self.socket)
-        deadline = time.monotonic() + 60
-        while not self.client.reachable():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.close()
-                raise RuntimeError(f"demo daemon did not start:\n{self.log.read_text()[-2000:]}")
-            time.sleep(0.05)
-
-    def env(self) -> dict[str, str]:
-        return {"STREAMER_SOCKET": str(self.socket), "STREAMER_SHM_DIR": str(self.shm_dir)}
-
-    def stats(self) -> dict:
-        return self.client.call("/v1/stats")
-
-    def close(self) -> None:
-        import shutil
-
-        self.client.close()
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=15)
-        except Exception:  # noqa: BLE001
-            self.proc.kill()
-            self.proc.wait()
-        shutil.rmtree(self.shm_dir, ignore_errors=True)
-
-
 def run(args: argparse.Namespace) -> int:
     from .checkpoint import open_checkpoint
+    from .server import ChildDaemon
     from .settings import get_settings
 
     if args.ranks < 1:
@@ -271,13 +228,14 @@ def run(args: argparse.Namespace) -> int:
         unique_bytes = sum(catalog[n].nbytes for n in union)
         requested = sum(catalog[n].nbytes for sel in selections for n in sel)
 
-        daemon = None if args.embedded else _DemoDaemon(Path(tmp), args.shm_budget)
+        daemon = None if args.embedded else ChildDaemon(Path(tmp), args.shm_budget)
         try:
             env = daemon.env() if daemon else {}
             env["STREAMER_LAUNCH_ID"] = f"demo-{os.getpid()}"
             results, wall = _run_ranks(uri, truth_dir, selections, env)
-            storage_bytes = daemon.stats()["bytes_read"] if daemon else requested
-            peak_shm = daemon.stats()["shm_peak"] if daemon else None
+            stats = daemon.stats() if daemon else None
+            storage_bytes = stats["bytes_read"] if stats else requested
+            peak_shm = stats["shm_peak"] if stats else None
         finally:
             if daemon:
                 daemon.close()

@@ -5,8 +5,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import socket
 import stat
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 import uvicorn
@@ -16,7 +21,7 @@ from streamer_client.errors import ConfigError
 from .api import create_app
 from .settings import Settings
 
-__all__ = ["DEFAULT_SOCKET", "serve", "bind_unix_socket"]
+__all__ = ["DEFAULT_SOCKET", "ChildDaemon", "serve", "bind_unix_socket"]
 
 log = logging.getLogger(__name__)
 
@@ -85,3 +90,45 @@ def serve(settings: Settings, *, socket_mode: int = 0o600) -> int:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
     return 0
+
+
+class ChildDaemon:
+    """`streamer-service serve` as a child process on a private socket and shm dir under ``root``.
+
+    For the demo and the benchmarks: rank processes get :meth:`env` to find it.
+    """
+
+    def __init__(self, root: Path, budget: str, *, env: dict[str, str] | None = None, start_timeout_s: float = 60) -> None:
+        from streamer_client.daemon import DaemonClient  # torch comes with it: not at module import
+
+        shm_parent = "/dev/shm" if os.path.isdir("/dev/shm") else str(root)
+        self.shm_dir = Path(tempfile.mkdtemp(prefix="streamer-child-", dir=shm_parent))
+        self.socket = root / "daemon.sock"
+        self.log = root / "daemon.log"
+        cmd = [sys.executable, "-m", "streamer_service", "serve", "--socket", str(self.socket),
+               "--shm-dir", str(self.shm_dir), "--shm-budget", budget]  # fmt: skip
+        with open(self.log, "wb") as log_file:
+            self.proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        self.client = DaemonClient(self.socket)
+        deadline = time.monotonic() + start_timeout_s
+        while not self.client.reachable():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise RuntimeError(f"the daemon did not start:\n{self.log.read_text()[-2000:]}")
+            time.sleep(0.05)
+
+    def env(self) -> dict[str, str]:
+        return {"STREAMER_SOCKET": str(self.socket), "STREAMER_SHM_DIR": str(self.shm_dir)}
+
+    def stats(self) -> dict:
+        return self.client.call("/v1/stats")
+
+    def close(self) -> None:
+        self.client.close()
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.shm_dir, ignore_errors=True)

@@ -1,6 +1,6 @@
 import subprocess
-from pathlib import Path
 import sys
+from pathlib import Path
 
 import pytest
 
