@@ -16,12 +16,8 @@ from pathlib import Path
 
 import pytest
 
-if __package__:  # tests/ is a package (tests/__init__.py)
-    from .harness import azure_tls as _azure_tls
-    from .harness.backends import SERVICES, Backend, LocalBackend
-else:  # rootdir-relative: tests/ itself is on sys.path
-    from harness import azure_tls as _azure_tls
-    from harness.backends import SERVICES, Backend, LocalBackend
+from harness import azure_tls as _azure_tls
+from harness.backends import SERVICES, Backend, LocalBackend
 
 BACKENDS = ["local", "s3", "gcs", "azure"]
 CLOUD_BACKENDS = ["s3", "gcs", "azure"]

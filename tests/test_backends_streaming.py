@@ -23,10 +23,7 @@ from safetensors.torch import load_file
 
 from checkpoints import INDEX_NAME, make_sharded_checkpoint, mixed_tensors
 
-if __package__:
-    from .harness.azure_tls import SYSTEM_CA_BUNDLE, host_state
-else:
-    from harness.azure_tls import SYSTEM_CA_BUNDLE, host_state
+from harness.azure_tls import SYSTEM_CA_BUNDLE, host_state
 
 PREFIX = "models/tiny"
 

@@ -26,28 +26,16 @@ from streamer_service.storage import open_storage
 from streamer_service.storage.base import ObjectInfo
 from streamer_service.uri import parse_uri
 
-if __package__:  # tests/ is a package (tests/__init__.py); see conftest.py
-    from .checkpoints import (
-        INDEX_NAME,
-        CountingStorage,
-        DirStorage,
-        make_sharded_checkpoint,
-        many_small_tensors,
-        mixed_tensors,
-        shard_name,
-        write_raw_safetensors,
-    )
-else:
-    from checkpoints import (
-        INDEX_NAME,
-        CountingStorage,
-        DirStorage,
-        make_sharded_checkpoint,
-        many_small_tensors,
-        mixed_tensors,
-        shard_name,
-        write_raw_safetensors,
-    )
+from checkpoints import (
+    INDEX_NAME,
+    CountingStorage,
+    DirStorage,
+    make_sharded_checkpoint,
+    many_small_tensors,
+    mixed_tensors,
+    shard_name,
+    write_raw_safetensors,
+)
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:

@@ -41,10 +41,7 @@ from streamer_client.cuda import (
 )
 from streamer_client.errors import ConfigError
 
-if __package__:  # tests/ is a package (tests/__init__.py); see conftest.py
-    from .checkpoints import INDEX_NAME, ground_truth, make_sharded_checkpoint, many_small_tensors, mixed_tensors
-else:
-    from checkpoints import INDEX_NAME, ground_truth, make_sharded_checkpoint, many_small_tensors, mixed_tensors
+from checkpoints import INDEX_NAME, ground_truth, make_sharded_checkpoint, many_small_tensors, mixed_tensors
 
 KIB = 1024
 MIB = 1024 * KIB

@@ -24,10 +24,7 @@ from streamer_service.settings import Settings
 from streamer_service.storage import open_storage
 from streamer_service.uri import parse_uri
 
-if __package__:  # tests/ is a package (tests/__init__.py); see conftest.py
-    from .checkpoints import ground_truth, make_sharded_checkpoint, many_small_tensors, mixed_tensors, tensor_bytes
-else:
-    from checkpoints import ground_truth, make_sharded_checkpoint, many_small_tensors, mixed_tensors, tensor_bytes
+from checkpoints import ground_truth, make_sharded_checkpoint, many_small_tensors, mixed_tensors, tensor_bytes
 
 KIB = 1024
 MIB = 1024 * KIB

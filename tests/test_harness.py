@@ -12,16 +12,10 @@ from pathlib import Path
 
 import pytest
 
-if __package__:
-    from .harness import emulators
-    from .harness.backends import closed_port_url
-    from .harness.faults import denied_fault, first_n, unavailable_fault
-    from .harness.proxy import CountingProxy, Fault
-else:
-    from harness import emulators
-    from harness.backends import closed_port_url
-    from harness.faults import denied_fault, first_n, unavailable_fault
-    from harness.proxy import CountingProxy, Fault
+from harness import emulators
+from harness.backends import closed_port_url
+from harness.faults import denied_fault, first_n, unavailable_fault
+from harness.proxy import CountingProxy, Fault
 
 PAYLOAD = os.urandom(256 * 1024) + b"tail"
 

@@ -27,20 +27,12 @@ from streamer_service.header import (
     read_header,
 )
 
-if __package__:  # tests/ is a package (tests/__init__.py); see conftest.py
-    from .checkpoints import (
-        CountingStorage,
-        DirStorage,
-        mixed_tensors,
-        write_raw_safetensors,
-    )
-else:
-    from checkpoints import (
-        CountingStorage,
-        DirStorage,
-        mixed_tensors,
-        write_raw_safetensors,
-    )
+from checkpoints import (
+    CountingStorage,
+    DirStorage,
+    mixed_tensors,
+    write_raw_safetensors,
+)
 
 FILE = "bad-shard.safetensors"
 
