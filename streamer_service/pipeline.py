@@ -101,9 +101,9 @@ class Pipeline:
         # while a batch is in flight add at most two more per delivered batch: the head is
         # delivered as soon as it is loaded, and the prefetch depth still grows to what the
         # buffers allow.
-        budget = 2 if self._loads else len(self._pending)
-        while self._pending and budget > 0:
-            budget -= 1
+        room = 2 if self._loads else len(self._pending)
+        while self._pending and room > 0:
+            room -= 1
             index, batch = self._pending[0]
             if not batch.ranges:
                 load = Load(index, batch, None, None, 0)

@@ -117,8 +117,6 @@ class Session:
         self.error: StreamerError | None = None
         self.ranks: dict[int, RankState] = {}
         self.stats = LoadStats()
-        self.created = clock()
-        self.finished_at: float | None = None
         self._slot_size = slot_size
         self._pool = pool
         self._join_deadline = clock() + join_timeout_s
@@ -131,7 +129,6 @@ class Session:
         self._slots: list[_Slot] = []  # every live segment of this session
         self._ring_max = 0
         self._ring_count = 0
-        self._ring_slot_bytes = 0
         self._refs: dict[int, tuple[int, _Slot | None]] = {}
         self._oversized_out = False
         self._cancelled = False
@@ -192,7 +189,6 @@ class Session:
         plan = build_plan(first + rest, self._slot_size)
         slot_batches = sum(b.kind is BatchKind.SLOT and b.buffer_bytes > 0 for b in plan.batches)
         # Ring segments are all of the daemon's slot size, so that later sessions can reuse them.
-        self._ring_slot_bytes = self._slot_size
         self._ring_max = min(self._pool.budget.limit // self._slot_size, slot_batches, MAX_RING_SLOTS)
         self.state = SessionState.STREAMING
         now = self._clock()
@@ -251,7 +247,7 @@ class Session:
                     return None
             elif self._oversized_out:
                 return None
-        nbytes = batch.buffer_bytes if oversized else self._ring_slot_bytes
+        nbytes = batch.buffer_bytes if oversized else self._slot_size
         got = self._pool.take(nbytes, oversized=oversized)
         if got is None:  # other sessions hold the node's budget: wait for a release
             return None
@@ -408,7 +404,6 @@ class Session:
         if self.state in (SessionState.DONE, SessionState.FAILED):
             return
         self.state = state
-        self.finished_at = self._clock()
         self._cond.notify_all()
         if self._thread is None:  # never started streaming: nothing else will call on_end
             self._on_end(self)
