@@ -60,6 +60,7 @@ from streamer_client.cuda import PinnedCopier
 from streamer_client.devices import resolve_device
 from streamer_client.dtypes import torch_dtype
 from streamer_client.errors import BorrowedTensorError, CheckpointError, ConfigError
+from streamer_client.leases import Leases
 
 from .catalog import Catalog
 from .header import TensorInfo
@@ -258,7 +259,7 @@ class _HostBuffer:
 class _Slot:
     buffer: _HostBuffer
     # (tensor name, weakref to the numpy view a borrowed tensor was built on), since last filled.
-    leases: list[tuple[str, weakref.ref]] = field(default_factory=list)
+    leases: Leases = field(default_factory=Leases)
 
 
 class _Ring:
@@ -287,15 +288,7 @@ class _Ring:
         ``in_hand`` is the view of the item yielded last, which the caller's loop variable
         legitimately still holds.
         """
-        kept = [name for name, ref in slot.leases if ref is not in_hand and ref() is not None]
-        if kept:
-            raise BorrowedTensorError(
-                f"{len(kept)} borrowed tensor(s) are still referenced when their buffer is about to be "
-                f"reused (first: {kept[0]!r}); a borrowed=True tensor is valid only until the next item "
-                "is requested: .clone() what you keep, or stream without borrowed=True",
-                key=kept[0],
-            )
-        slot.leases.clear()
+        slot.leases.end(in_hand)
         self._free.append(slot)
 
     def close(self) -> None:
@@ -420,9 +413,7 @@ class _Stream:
         return self._copy(view, info)
 
     def _lend(self, slot: _Slot, view: np.ndarray, info: TensorInfo) -> torch.Tensor:
-        ref = weakref.ref(view)
-        slot.leases.append((info.name, ref))
-        self._in_hand = ref
+        self._in_hand = slot.leases.lend(info.name, view)
         return _as_tensor(view, info)
 
     def _copy(self, view: np.ndarray, info: TensorInfo) -> torch.Tensor:

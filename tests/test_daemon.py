@@ -319,3 +319,28 @@ def test_segments_are_reused_across_sessions_then_trimmed(sample, daemon):
         time.sleep(0.1)
     assert list(d.shm_dir.iterdir()) == []  # trimmed once idle for STREAMER_SEGMENT_IDLE_S
     assert d.stats()["shm_in_use"] == 0
+
+
+KEEP_BORROWED = """
+import sys, streamer_client
+from streamer_client.errors import BorrowedTensorError
+kept = []
+try:
+    for name, t in streamer_client.stream(sys.argv[1], borrowed=True):
+        kept.append(t)  # against the rule: a borrowed view lives until the next item only
+except BorrowedTensorError as exc:
+    print("refused:", exc)
+"""
+
+
+def test_keeping_borrowed_daemon_tensors_is_refused_not_overwritten(sample, daemon):
+    d = daemon({"STREAMER_SLOT_SIZE": "2MiB"}, "--shm-budget", "8MiB")
+    result = subprocess.run([sys.executable, "-c", KEEP_BORROWED, str(sample)], env=d.rank_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "refused:" in result.stdout and "borrowed=True tensor is valid only until the next item" in result.stdout
+    deadline = time.monotonic() + 1.5  # well inside the 2 s rank timeout these daemons use
+    while not d.stats()["finished"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    session = d.stats()["finished"][-1]
+    assert session["ranks"]["0"]["status"] == "done"  # it left at once, not reclaimed after a timeout
+    assert d.healthy()

@@ -25,7 +25,8 @@ import torch
 
 from . import errors
 from .dtypes import torch_dtype
-from .errors import BorrowedTensorError, DaemonError, StreamerError
+from .errors import DaemonError, StreamerError
+from .leases import Leases
 
 __all__ = ["DaemonClient", "daemon_stream"]
 
@@ -201,7 +202,7 @@ class _Receiver:
         self._device = device
         self._borrowed = borrowed
         self._release: list[int] = []
-        self._leases: list[tuple[str, weakref.ref]] = []  # borrowed views of the batch in hand
+        self._leases = Leases()  # borrowed views of the batch in hand
         self._in_hand: weakref.ref | None = None
         self._copier = None
         if device.type == "cuda":
@@ -229,7 +230,9 @@ class _Receiver:
                         del tensor
                     self._finish(batch[-1])
             self._client.call(f"{self._path}/leave", {})
-        except GeneratorExit:
+        except BaseException:
+            # Abandoned (GeneratorExit) or failed here: hand everything back now rather than
+            # holding segments until the daemon reclaims this rank as silent.
             with contextlib.suppress(StreamerError):
                 self._client.call(f"{self._path}/leave", {})
             raise
@@ -243,9 +246,7 @@ class _Receiver:
             return _empty(h, self._device)
         view = self._segments.view(h.segment, h.offset, h.nbytes)
         if self._borrowed:
-            ref = weakref.ref(view)
-            self._leases.append((h.name, ref))
-            self._in_hand = ref
+            self._in_hand = self._leases.lend(h.name, view)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # private mapping: writable, nothing to warn about
                 return torch.from_numpy(view).view(torch_dtype(h.dtype)).reshape(h.shape)
@@ -286,15 +287,7 @@ class _Receiver:
         if h.segment is None:
             return
         if self._borrowed:
-            kept = [name for name, ref in self._leases if ref is not self._in_hand and ref() is not None]
-            if kept:
-                raise BorrowedTensorError(
-                    f"{len(kept)} borrowed tensor(s) are still referenced when their shared memory is about to "
-                    f"be released (first: {kept[0]!r}); a borrowed=True tensor is valid only until the next "
-                    "item is requested: .clone() what you keep, or stream without borrowed=True",
-                    key=kept[0],
-                )
-            self._leases.clear()
+            self._leases.end(self._in_hand)
         self._release.append(h.batch)
         if h.dedicated:
             self._segments.drop(h.segment)
