@@ -58,7 +58,7 @@ import torch
 
 from streamer_client.cuda import PinnedCopier
 from streamer_client.devices import resolve_device
-from streamer_client.dtypes import torch_dtype
+from streamer_client.dtypes import byte_view, tensor_over, torch_dtype
 from streamer_client.errors import BorrowedTensorError, CheckpointError, ConfigError
 from streamer_client.leases import Leases
 
@@ -407,14 +407,14 @@ class _Stream:
             return torch.empty(info.shape, dtype=torch_dtype(info.dtype), device=self._device)
         view = load.buffer.view(placement.buffer_offset, info.nbytes)
         if self._device.type == "cpu" and load.batch.kind is BatchKind.OVERSIZED:
-            return _as_tensor(view, info)  # a dedicated buffer is never reused: no copy needed
+            return tensor_over(view, info.dtype, info.shape)  # a dedicated buffer is never reused: no copy needed
         if self._borrowed:
             return self._lend(load.token, view, info)
         return self._copy(view, info)
 
     def _lend(self, slot: _Slot, view: np.ndarray, info: TensorInfo) -> torch.Tensor:
         self._in_hand = slot.leases.lend(info.name, view)
-        return _as_tensor(view, info)
+        return tensor_over(view, info.dtype, info.shape)
 
     def _copy(self, view: np.ndarray, info: TensorInfo) -> torch.Tensor:
         if self._copier is not None:
@@ -422,16 +422,6 @@ class _Stream:
             out = self._copier.copy(torch.from_numpy(view), torch_dtype(info.dtype), info.shape)
         else:
             out = torch.empty(info.shape, dtype=torch_dtype(info.dtype), device=self._device)
-            _bytes_of(out).copy_(torch.from_numpy(view))
+            byte_view(out).copy_(torch.from_numpy(view))
         self._stats.bytes_copied += info.nbytes
         return out
-
-
-def _as_tensor(view: np.ndarray, info: TensorInfo) -> torch.Tensor:
-    """A tensor over ``view``'s bytes (no copy); holds ``view``, which holds the buffer."""
-    return torch.from_numpy(view).view(torch_dtype(info.dtype)).reshape(info.shape)
-
-
-def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
-    # Flatten first: a 0-d tensor cannot change to a dtype of another element size.
-    return tensor.reshape(-1).view(torch.uint8)

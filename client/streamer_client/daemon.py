@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from . import errors
-from .dtypes import torch_dtype
+from .dtypes import byte_view, tensor_over, torch_dtype
 from .errors import DaemonError, StreamerError
 from .leases import Leases
 
@@ -163,10 +163,6 @@ def _empty(h: _Handle, device: torch.device) -> torch.Tensor:
     return torch.empty(h.shape, dtype=torch_dtype(h.dtype), device=device)
 
 
-def _byte_view(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1).view(torch.uint8)
-
-
 def daemon_stream(
     client: DaemonClient,
     *,
@@ -249,10 +245,10 @@ class _Receiver:
             self._in_hand = self._leases.lend(h.name, view)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # private mapping: writable, nothing to warn about
-                return torch.from_numpy(view).view(torch_dtype(h.dtype)).reshape(h.shape)
+                return tensor_over(view, h.dtype, h.shape)
         out = _empty(h, torch.device("cpu"))
         if h.nbytes:
-            _byte_view(out).numpy()[:] = view
+            byte_view(out).numpy()[:] = view
         return out
 
     def _to_device(self, batch: list[_Handle]) -> Iterator[tuple[str, torch.Tensor]]:

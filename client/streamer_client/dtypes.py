@@ -9,8 +9,12 @@ tensor of it is materialized, not when the header is read.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-__all__ = ["DType", "DTYPES", "torch_dtype"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DType", "DTYPES", "torch_dtype", "tensor_over", "byte_view"]
 
 
 @dataclass(frozen=True)
@@ -60,3 +64,17 @@ def torch_dtype(name: str):
     if spec is None or spec.torch_name is None or not hasattr(torch, spec.torch_name):
         raise TypeError(f"safetensors dtype {name!r} has no torch equivalent in torch {torch.__version__}")
     return getattr(torch, spec.torch_name)
+
+
+def tensor_over(view, dtype: str, shape) -> torch.Tensor:
+    """A tensor of safetensors ``dtype``/``shape`` over a uint8 numpy ``view`` (no copy; it holds ``view``)."""
+    import torch
+
+    return torch.from_numpy(view).view(torch_dtype(dtype)).reshape(shape)
+
+
+def byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s bytes as a flat uint8 tensor (flattened first: a 0-d tensor cannot change dtype size)."""
+    import torch
+
+    return tensor.reshape(-1).view(torch.uint8)
