@@ -72,6 +72,7 @@ class JoinRequest(_Model):
     select: list[str] | None = Field(default=None, max_length=MAX_LIST)
     priority: list[str] | None = Field(default=None, max_length=MAX_LIST)
     launch_id: str | None = Field(default=None, max_length=256)
+    force: bool | None = None  # TRTLLM_OBJECT_STORAGE_FORCE_PULL of the rank; None: the daemon's
 
 
 class NextRequest(_Model):
@@ -158,6 +159,7 @@ def create_app(settings: Settings) -> FastAPI:
             select=body.select,
             priority=body.priority,
             launch_id=body.launch_id,
+            force=body.force,
         )
         rank = session.ranks[body.rank]
         return {

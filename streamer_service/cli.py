@@ -24,7 +24,7 @@ EXIT_USAGE = 2
 def _settings(args: argparse.Namespace) -> Settings:
     """The environment's settings with this command's flags on top, validated alike."""
     update = {}
-    for field in ("cache_dir", "shm_dir", "socket", "shm_budget", "allow", "tcp_port", "group_access"):
+    for field in ("cache_dir", "shm_dir", "socket", "shm_budget", "retention_budget", "allow", "tcp_port", "group_access"):
         value = getattr(args, field, None)
         if value not in (None, [], False):
             update[field] = value
@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--cache-dir", help="metadata cache root (STREAMER_CACHE_DIR)")
     serve.add_argument("--shm-dir", help="shared-memory dir shared with the ranks (STREAMER_SHM_DIR)")
     serve.add_argument("--shm-budget", help="most shared memory in use, e.g. 16GiB (STREAMER_SHM_BUDGET)")
+    serve.add_argument(
+        "--retention-budget", help="shared memory kept for reloads after a load, e.g. 64GiB (STREAMER_RETENTION_BUDGET; default 0: off)"
+    )
     serve.add_argument("--allow", action="append", default=[], metavar="PREFIX", help="URI prefix the daemon may read (repeatable)")
     serve.add_argument("--group-access", action="store_true", help="socket 0660 and segments 0640 (STREAMER_GROUP_ACCESS)")
     serve.add_argument("--tcp-port", type=int, help="also listen on 127.0.0.1:PORT; needs STREAMER_TOKEN")

@@ -14,11 +14,12 @@ from pathlib import Path
 
 from streamer_client.errors import SessionError, StorageAccessDeniedError
 
-from .checkpoint import open_checkpoint
+from .checkpoint import check_unchanged, open_checkpoint
 from .metadata import MetadataCache
 from .metrics import Metrics
+from .resident import ResidentStore
 from .runai import check_credentials
-from .session import Session, SessionState
+from .session import RankStatus, Session, SessionState
 from .settings import Settings
 from .shm import SegmentPool, SegmentStore, ShmBudget, sweep_stale_segments
 from .uri import StorageURI, parse_uri
@@ -28,6 +29,7 @@ __all__ = ["Daemon"]
 log = logging.getLogger(__name__)
 
 _REAP_INTERVAL_S = 0.5
+_ENDED_KEPT = 256  # how many ended sessions' rank outcomes are remembered (for rejoins)
 
 
 class Daemon:
@@ -37,6 +39,11 @@ class Daemon:
         # At least four slots fit the budget, so loading, delivery and release overlap.
         self.slot_size = min(int(settings.slot_size), max(int(settings.shm_budget) // 4, 1))
         self.sessions: dict[str, Session] = {}  # by key, while joining or streaming
+        # Ranks of recently ended sessions that did not receive everything, by key: their rejoin is
+        # served on its own instead of waiting for a whole new group.
+        self._unfinished: dict[str, set[int]] = {}
+        self._rejoins = 0
+        self.resident = ResidentStore(int(settings.retention_budget))
         self.finished: list[dict] = []  # summaries of ended sessions, newest last (bounded)
         self.bytes_read = 0
         self._lock = threading.Lock()
@@ -78,6 +85,7 @@ class Daemon:
             session.reap(float("inf"), 0.0)
         if self.pool is not None:
             self.pool.close()
+        self.resident.close()
 
     def _reap_loop(self) -> None:
         while not self._stop.wait(_REAP_INTERVAL_S):
@@ -117,6 +125,7 @@ class Daemon:
         select: Sequence[str] | None,
         priority: Sequence[str] | None,
         launch_id: str | None,
+        force: bool | None = None,
     ) -> Session:
         parsed = self.check_allowed(uri)
         if world_size < 1:
@@ -125,27 +134,63 @@ class Daemon:
         with self._lock:
             opening = self._opening.setdefault(parsed.cache_key, threading.Lock())
         with opening:
-            checkpoint = open_checkpoint(parsed, self.settings, launch_id=launch_id)
+            checkpoint = open_checkpoint(parsed, self.settings, force=force, launch_id=launch_id)
         check_credentials(parsed, self.settings)
-        with self._lock:
-            session = self.sessions.get(key)
-            if session is None or session.state in (SessionState.DONE, SessionState.FAILED):
-                session = Session(
-                    key,
-                    checkpoint,
-                    world_size,
-                    slot_size=self.slot_size,
-                    pool=self.pool,
-                    join_timeout_s=self.settings.join_timeout_s,
-                    on_end=self._ended,
-                )
-                self.sessions[key] = session
-            elif session.checkpoint.uri != parsed:
+        deadline = time.monotonic() + self.settings.rank_timeout_s + 4 * _REAP_INTERVAL_S
+        while True:
+            with self._lock:
+                session = self.sessions.get(key)
+                if session is not None and session.checkpoint.uri != parsed:
+                    raise SessionError(
+                        f"session {key!r} is loading {session.checkpoint.uri}, not {parsed.normalized}", uri=parsed.normalized
+                    )
+                if self._rejoining(key, session, rank):
+                    self._rejoins += 1
+                    log.info("rank %d rejoins %s: a session of its own, from memory where it can", rank, key)
+                    session = self._new_session(f"{key}#rank{rank}.{self._rejoins}", checkpoint, world_size, rejoin=(key, rank))
+                    self.sessions[session.key] = session
+                    break
+                if session is None or session.state in (SessionState.DONE, SessionState.FAILED):
+                    session = self._new_session(key, checkpoint, world_size)
+                    self.sessions[key] = session
+                    break
+                if session.state is SessionState.JOINING or rank not in session.ranks:
+                    break
+            # The rank is loading already: a restarted process whose old self the reaper has not
+            # reclaimed yet, or a second process with the same rank. Wait for the reaper.
+            if time.monotonic() > deadline:
                 raise SessionError(
-                    f"session {key!r} is loading {session.checkpoint.uri}, not {parsed.normalized}", uri=parsed.normalized
+                    f"rank {rank} is still loading in session {key!r} ({parsed.normalized}); "
+                    "two processes cannot be the same rank (a dead one is reclaimed after "
+                    f"STREAMER_RANK_TIMEOUT_S = {self.settings.rank_timeout_s:g} s)",
+                    uri=parsed.normalized,
                 )
+            time.sleep(_REAP_INTERVAL_S / 2)
         session.join(rank, world_size, select, priority)
         return session
+
+    def _rejoining(self, key: str, session: Session | None, rank: int) -> bool:
+        """Whether ``rank`` comes back to a load it did not finish (the others did, or still load)."""
+        if session is not None and session.state is SessionState.STREAMING:
+            state = session.ranks.get(rank)
+            return state is not None and state.status is not RankStatus.ACTIVE
+        if session is None or session.state is SessionState.DONE:
+            return rank in self._unfinished.get(key, ())
+        return False
+
+    def _new_session(self, key: str, checkpoint, world_size: int, *, rejoin: tuple[str, int] | None = None) -> Session:
+        return Session(
+            key,
+            checkpoint,
+            world_size,
+            slot_size=self.slot_size,
+            pool=self.pool,
+            join_timeout_s=self.settings.join_timeout_s,
+            on_end=self._ended,
+            resident=self.resident,
+            check_unchanged=lambda cp: check_unchanged(cp, self.settings),
+            rejoin=rejoin,
+        )
 
     def session(self, session_id: str) -> Session:
         with self._lock:
@@ -160,6 +205,16 @@ class Daemon:
         with self._lock:
             if self.sessions.get(session.key) is session:
                 del self.sessions[session.key]
+            if session.rejoin is None:
+                self._unfinished.pop(session.key, None)
+                left = {r.rank for r in session.ranks.values() if r.status in (RankStatus.LEFT, RankStatus.RECLAIMED)}
+                if left and session.state is SessionState.DONE:
+                    self._unfinished[session.key] = left
+                    while len(self._unfinished) > _ENDED_KEPT:
+                        del self._unfinished[next(iter(self._unfinished))]
+            elif session.state is SessionState.DONE and all(r.status is RankStatus.DONE for r in session.ranks.values()):
+                group, rank = session.rejoin  # caught up: its next join is its group's again
+                self._unfinished.get(group, set()).discard(rank)
             self.bytes_read += session.stats.bytes_read
             self.finished.append(summary)
             del self.finished[:-64]
@@ -175,6 +230,7 @@ class Daemon:
             "segments_idle": self.pool.idle,
             "segments_reused": self.pool.reused,
             "bytes_read": self.bytes_read + sum(s["bytes_read"] for s in active),
+            **self.resident.stats(),
             "sessions": active,
             "finished": finished,
         }

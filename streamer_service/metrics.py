@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 __all__ = ["Metrics", "CONTENT_TYPE"]
@@ -28,8 +28,13 @@ class _Gauges(Collector):
             ("streamer_shm_budget_bytes", "The shared-memory budget", "shm_budget"),
             ("streamer_shm_peak_bytes", "Most segment bytes held at once since start", "shm_peak"),
             ("streamer_segments_idle", "Idle segments kept for the next load", "segments_idle"),
+            ("streamer_resident_bytes", "Checkpoint bytes kept in shared memory for reloads", "resident_bytes"),
+            ("streamer_retention_budget_bytes", "The retention budget (0: nothing kept)", "retention_budget"),
         ):
             yield GaugeMetricFamily(name, doc, value=stats[key])
+        yield CounterMetricFamily(
+            "streamer_resident_bytes_served", "Bytes handed to ranks from memory kept by earlier loads", value=stats["resident_bytes_served"]
+        )
         yield GaugeMetricFamily("streamer_sessions_active", "Sessions joining or streaming", value=len(stats["sessions"]))
 
 

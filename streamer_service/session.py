@@ -9,7 +9,11 @@ when every rank that got handles into it has released them. A slow rank holds
 segments and so applies backpressure; nothing is ever fetched twice.
 
 A rank silent for ``rank_timeout_s`` is reclaimed (its leases released); the
-others finish. Segments are unlinked when the session ends, whatever the outcome.
+others finish. Segments are unlinked when the session ends, whatever the outcome,
+except those the session kept resident (``resident``): with a retention budget, the
+tensors a previous load left in memory are handed out from there first, and only the
+rest is streamed, each batch into a segment of its own that stays for the next load.
+A session can also serve a single rank (``only``): one that rejoins a load after dying.
 """
 
 from __future__ import annotations
@@ -23,12 +27,14 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from streamer_client.errors import SessionError, StreamerError
+from streamer_client.errors import ObjectChangedError, ObjectNotFoundError, SessionError, StreamerError
 
+from .catalog import TensorInfo
 from .checkpoint import Checkpoint
 from .engine import BUFFERED_FS_STRATEGY
 from .pipeline import Load, LoadStats, Pipeline
 from .plan import Batch, BatchKind, Plan, build_plan, select
+from .resident import ResidentCopy, ResidentStore
 from .runai import NativeReader
 from .shm import Reservation, Segment, SegmentPool
 
@@ -53,8 +59,9 @@ class SessionState(enum.Enum):
 
 class RankStatus(enum.Enum):
     ACTIVE = "active"
-    DONE = "done"
-    RECLAIMED = "reclaimed"
+    DONE = "done"  # received every tensor and left
+    LEFT = "left"  # left before receiving every tensor (abandoned or failed)
+    RECLAIMED = "reclaimed"  # silent too long
 
 
 @dataclass(frozen=True)
@@ -88,8 +95,12 @@ class RankState:
 @dataclass(eq=False)
 class _Slot:
     segment: Segment
-    reservation: Reservation
+    reservation: Reservation | None  # None: the session's resident claim pays for it
     oversized: bool
+
+    @property
+    def kept(self) -> bool:
+        return self.reservation is None
 
 
 class _Cancelled(Exception):
@@ -107,6 +118,9 @@ class Session:
         pool: SegmentPool,
         join_timeout_s: float,
         on_end: Callable[["Session"], None],
+        resident: ResidentStore | None = None,
+        check_unchanged: Callable[[Checkpoint], None] | None = None,
+        rejoin: tuple[str, int] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.id = uuid.uuid4().hex
@@ -117,8 +131,17 @@ class Session:
         self.error: StreamerError | None = None
         self.ranks: dict[int, RankState] = {}
         self.stats = LoadStats()
+        # (group key, rank): a session for one rank coming back to its group's load after dying.
+        self.rejoin = rejoin
+        self.only = rejoin[1] if rejoin is not None else None
+        self.resident_bytes = 0  # handed out from memory kept by earlier loads
         self._slot_size = slot_size
         self._pool = pool
+        self._resident = resident if resident is not None and resident.enabled else None
+        self._check_unchanged = check_unchanged
+        self._copy: ResidentCopy | None = None
+        self._claimed = 0  # resident bytes claimed for this session's own segments
+        self._kept = 0  # of which filled and handed to the resident copy
         self._join_deadline = clock() + join_timeout_s
         self._join_timeout_s = join_timeout_s
         self._on_end = on_end
@@ -149,6 +172,8 @@ class Session:
                 )
             if not 0 <= rank < self.world_size:
                 raise SessionError(f"rank {rank} is outside world_size {self.world_size}")
+            if self.only is not None and rank != self.only:
+                raise SessionError(f"session {self.key!r} serves rank {self.only} only, not rank {rank}")
             if self.state is not SessionState.JOINING:
                 raise SessionError(
                     f"session {self.key!r} for {self.checkpoint.uri} already started; rank {rank} joined too late",
@@ -161,7 +186,7 @@ class Session:
             self.ranks[rank] = state
             if priority:
                 self._priority.update(_priority_names(chosen, priority, catalog.by_name))
-            if len(self.ranks) == self.world_size:
+            if len(self.ranks) == self.expected:
                 self._start()
                 self._cond.notify_all()
             while self.state is SessionState.JOINING:
@@ -181,32 +206,36 @@ class Session:
                 raise self.error
             return state
 
+    @property
+    def expected(self) -> int:
+        """How many ranks must join before the load starts."""
+        return 1 if self.only is not None else self.world_size
+
     def _start(self) -> None:
         catalog = self.checkpoint.catalog
         union = set().union(*(r.names for r in self.ranks.values()))
         first = [t for t in catalog.tensors if t.name in union and t.name in self._priority]
         rest = [t for t in catalog.tensors if t.name in union and t.name not in self._priority]
-        plan = build_plan(first + rest, self._slot_size)
-        slot_batches = sum(b.kind is BatchKind.SLOT and b.buffer_bytes > 0 for b in plan.batches)
-        # Ring segments are all of the daemon's slot size, so that later sessions can reuse them.
-        self._ring_max = min(self._pool.budget.limit // self._slot_size, slot_batches, MAX_RING_SLOTS)
         self.state = SessionState.STREAMING
         now = self._clock()
         for r in self.ranks.values():
             r.last_seen = now
-        self._thread = threading.Thread(target=self._run, args=(plan,), name=f"session-{self.id[:8]}", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(first + rest,), name=f"session-{self.id[:8]}", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ streaming thread
 
-    def _run(self, plan: Plan) -> None:
+    def _run(self, wanted: list[TensorInfo]) -> None:
         started = self._clock()
         try:
-            local = self.checkpoint.uri.is_local
-            with NativeReader(fs_strategy=BUFFERED_FS_STRATEGY if local else None) as reader:
-                pipeline = Pipeline(self.checkpoint.uri, plan, reader, self._acquire, self.stats)
-                for load in pipeline.loaded(self._wait_for_release):
-                    self._publish(load)
+            missing = self._serve_resident(wanted)
+            plan = self._plan(missing)
+            if plan.batches:
+                local = self.checkpoint.uri.is_local
+                with NativeReader(fs_strategy=BUFFERED_FS_STRATEGY if local else None) as reader:
+                    pipeline = Pipeline(self.checkpoint.uri, plan, reader, self._acquire, self.stats)
+                    for load in pipeline.loaded(self._wait_for_release):
+                        self._publish(load)
             with self._cond:
                 while not self._all_ranks_finished():
                     if self._cancelled:
@@ -214,14 +243,17 @@ class Session:
                     self._cond.wait(0.5)
                 self._end(SessionState.DONE)
             log.info(
-                "session %s (%s, %d ranks): %d bytes read from storage in %.2f s",
-                self.key, self.checkpoint.uri, self.world_size, self.stats.bytes_read, self._clock() - started,
+                "session %s (%s, %d ranks): %d bytes read from storage, %d served from memory, in %.2f s",
+                self.key, self.checkpoint.uri, len(self.ranks), self.stats.bytes_read, self.resident_bytes,
+                self._clock() - started,
             )  # fmt: skip
         except _Cancelled:
             with self._cond:
                 self._end(SessionState.FAILED)
             log.warning("session %s (%s): every rank is gone; stopped", self.key, self.checkpoint.uri)
         except StreamerError as exc:
+            if self._copy is not None and isinstance(exc, (ObjectChangedError, ObjectNotFoundError)):
+                self._resident.drop(self._copy, str(exc))
             with self._cond:
                 self._fail(exc)
             log.error("session %s (%s) failed: %s", self.key, self.checkpoint.uri, exc)
@@ -233,9 +265,64 @@ class Session:
             self._release_segments()
             self._on_end(self)
 
+    def _serve_resident(self, wanted: list[TensorInfo]) -> list[TensorInfo]:
+        """Hand out the tensors an earlier load left in memory; return those still to stream."""
+        if self._resident is None:
+            return wanted
+        self._copy = copy = self._resident.pin(self.checkpoint.uri.normalized, self.checkpoint.generation)
+        hits = [t for t in wanted if t.nbytes and copy.get(t.name) is not None]
+        if hits and self._check_unchanged is not None:
+            self._check_unchanged(self.checkpoint)  # one listing: the copy is still what storage holds
+        # One batch per resident segment, numbered after the plan's (which are 0..n-1).
+        by_segment: dict[str, list[TensorInfo]] = {}
+        for t in hits:
+            by_segment.setdefault(copy.get(t.name).segment.name, []).append(t)
+        base = 1 << 32
+        with self._cond:
+            for i, tensors in enumerate(by_segment.values()):
+                index = base + i
+                refs = 0
+                for r in self.ranks.values():
+                    if r.status is not RankStatus.ACTIVE:
+                        continue
+                    handles = [self._resident_handle(index, t) for t in tensors if t.name in r.names]
+                    if handles:
+                        r.queue.extend(handles)
+                        r.outstanding.add(index)
+                        refs += 1
+                if refs:
+                    self._refs[index] = (refs, None)
+            self.resident_bytes = sum(t.nbytes for t in hits)
+            self._cond.notify_all()
+        self._resident.served(self.resident_bytes)
+        served = {t.name for t in hits}
+        return [t for t in wanted if t.name not in served]
+
+    def _resident_handle(self, index: int, t: TensorInfo) -> Handle:
+        kept = self._copy.get(t.name)
+        return Handle(index, kept.segment.name, kept.offset, t.nbytes, t.name, t.dtype, t.shape, False)
+
+    def _plan(self, tensors: list[TensorInfo]) -> Plan:
+        """The plan for ``tensors``; with room in the retention budget, their bytes will stay resident."""
+        plan = build_plan(tensors, self._slot_size)
+        need = sum(b.buffer_bytes for b in plan.batches if b.ranges)
+        if self._copy is not None and need and self._resident.claim(self._copy, need):
+            self._claimed = need
+        elif self._copy is not None and need:
+            log.info(
+                "session %s: %d bytes to load do not fit the retention budget; streaming through the ring",
+                self.key, need,
+            )  # fmt: skip
+        slot_batches = sum(b.kind is BatchKind.SLOT and b.buffer_bytes > 0 for b in plan.batches)
+        # Ring segments are all of the daemon's slot size, so that later sessions can reuse them.
+        self._ring_max = min(self._pool.budget.limit // self._slot_size, slot_batches, MAX_RING_SLOTS)
+        return plan
+
     def _acquire(self, batch: Batch) -> tuple[Segment, _Slot] | None:
         """A segment for ``batch``: a free ring slot, a new one while the ring may grow, or none."""
         oversized = batch.kind is BatchKind.OVERSIZED
+        if self._claimed:
+            return self._acquire_kept(batch, oversized)
         with self._cond:
             if self._cancelled:
                 raise _Cancelled
@@ -261,6 +348,16 @@ class Session:
                 self._ring_count += 1
         return segment, slot
 
+    def _acquire_kept(self, batch: Batch, oversized: bool) -> tuple[Segment, _Slot]:
+        """A segment of the batch's exact size that stays resident once loaded (the claim pays)."""
+        with self._cond:
+            if self._cancelled:
+                raise _Cancelled
+        slot = _Slot(self._pool.store.create(batch.buffer_bytes), None, oversized)
+        with self._cond:
+            self._slots.append(slot)
+        return slot.segment, slot
+
     def _wait_for_release(self) -> None:
         with self._cond:
             if self._cancelled:
@@ -269,6 +366,10 @@ class Session:
 
     def _publish(self, load: Load) -> None:
         slot: _Slot | None = load.token
+        if slot is not None and slot.kept:
+            placements = [(p.tensor.name, p.buffer_offset) for p in load.batch.placements if p.tensor.nbytes]
+            self._resident.add(self._copy, slot.segment, placements)
+            self._kept += slot.segment.nbytes
         with self._cond:
             if self._cancelled:
                 raise _Cancelled
@@ -277,7 +378,8 @@ class Session:
             for r in self.ranks.values():
                 if r.status is not RankStatus.ACTIVE:
                     continue
-                dedicated = load.batch.kind is BatchKind.OVERSIZED
+                # A kept segment is read by later loads too: ranks map it like a ring slot.
+                dedicated = load.batch.kind is BatchKind.OVERSIZED and not slot.kept
                 handles = [
                     Handle(load.index, segment, p.buffer_offset, p.tensor.nbytes, p.tensor.name, p.tensor.dtype, p.tensor.shape, dedicated)
                     for p in load.batch.placements
@@ -314,9 +416,15 @@ class Session:
                 raise self._reclaimed(rank)
             handles: list[Handle] = []
             # Whole batches only: the client releases every batch of a reply once it has consumed it.
-            while state.queue and (len(handles) < MAX_HANDLES_PER_REPLY or state.queue[0].batch == handles[-1].batch):
+            # About a slot's worth per reply, so that a rank polls (and shows it is alive) as it
+            # consumes, however much is ready: a load served from memory has everything ready at once.
+            nbytes = 0
+            while state.queue and (
+                (len(handles) < MAX_HANDLES_PER_REPLY and nbytes < self._slot_size) or state.queue[0].batch == handles[-1].batch
+            ):
                 handle = state.queue.popleft()
                 handles.append(handle)
+                nbytes += handle.nbytes
                 state.delivered_bytes += handle.nbytes
             state.to_hand_out -= len(handles)
             state.last_seen = self._clock()
@@ -327,9 +435,10 @@ class Session:
         with self._cond:
             state = self._rank(rank)
             if state.status is RankStatus.ACTIVE:
+                complete = not state.to_hand_out and not state.queue
                 self._release(state, list(state.outstanding))
                 state.queue.clear()
-                state.status = RankStatus.DONE
+                state.status = RankStatus.DONE if complete else RankStatus.LEFT
             self._cond.notify_all()
 
     def reap(self, now: float, rank_timeout_s: float) -> None:
@@ -380,6 +489,8 @@ class Session:
         self._cond.notify_all()
 
     def _recycle(self, slot: _Slot) -> None:
+        if slot.kept:
+            return  # the resident copy owns it now
         if slot.oversized:
             self._slots.remove(slot)
             # Unlinked now; ranks dropped their mappings of it when they released it.
@@ -412,8 +523,15 @@ class Session:
         with self._cond:
             slots, self._slots, self._free = self._slots, [], []
             self._refs.clear()
+        kept = {id(s) for s in self._copy.segments} if self._copy is not None else set()
         for slot in slots:
-            self._pool.give(slot.segment, slot.reservation, keep=not slot.oversized, now=self._clock())
+            if not slot.kept:
+                self._pool.give(slot.segment, slot.reservation, keep=not slot.oversized, now=self._clock())
+            elif id(slot.segment) not in kept:
+                slot.segment.close()  # claimed but never filled: the load failed first
+        if self._copy is not None:
+            self._resident.settle(self._claimed - self._kept)
+            self._resident.unpin(self._copy)
 
     def summary(self) -> dict:
         with self._cond:
@@ -424,6 +542,8 @@ class Session:
                 "state": self.state.value,
                 "world_size": self.world_size,
                 "bytes_read": self.stats.bytes_read,
+                "bytes_from_memory": self.resident_bytes,
+                "rejoin_of": self.rejoin[0] if self.rejoin else None,
                 "ranks": {
                     r.rank: {"status": r.status.value, "bytes_selected": r.nbytes, "bytes_delivered": r.delivered_bytes}
                     for r in self.ranks.values()

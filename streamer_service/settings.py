@@ -107,6 +107,11 @@ class Settings(BaseSettings):
     """URI prefixes the daemon may read (``--allow``, repeatable; JSON list in the environment).
     Empty: any URI (the daemon logs a warning)."""
 
+    retention_budget: ByteSize = ByteSize(0)
+    """Shared memory the daemon may keep checkpoint bytes in after their load, so that the next load
+    of the same checkpoint (a restarted rank, a new launch) reads nothing from storage; least
+    recently used checkpoints are evicted first. On top of ``shm_budget``. 0: off."""
+
     segment_idle_s: float = Field(default=30.0, ge=0)
     """How long the daemon keeps an unused shared-memory segment for the next load (0: never)."""
 

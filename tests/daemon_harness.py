@@ -14,15 +14,22 @@ from pathlib import Path
 
 import httpx
 
+# RANK_STALL_AFTER=n: after n tensors the rank says "stalled" on stderr and hangs (a test kills it);
+# RANK_SLOW_S=s: it sleeps s seconds after each tensor (a slow consumer).
 RANK_SCRIPT = textwrap.dedent(
     """
-    import json, sys, torch, streamer_client
+    import json, os, sys, time, torch, streamer_client
     from safetensors import safe_open
     uri, rank, world, truth_dir, select = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5])
+    stall_after, slow_s = int(os.environ.get("RANK_STALL_AFTER", "-1")), float(os.environ.get("RANK_SLOW_S", "0"))
     index = json.load(open(truth_dir + "/model.safetensors.index.json"))["weight_map"]
     files = {}
     got, bad = [], []
     for name, t in streamer_client.stream(uri, select=select, rank=rank, world_size=world):
+        if len(got) == stall_after:
+            print("stalled", flush=True, file=sys.stderr)
+            time.sleep(3600)
+        time.sleep(slow_s)
         shard = index[name]
         if shard not in files:
             files[shard] = safe_open(truth_dir + "/" + shard, "pt")

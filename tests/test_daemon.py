@@ -303,7 +303,8 @@ def test_tcp_without_a_token_refuses_to_start(tmp_path):
 
 
 def test_segments_are_reused_across_sessions_then_trimmed(sample, daemon):
-    d = daemon({"STREAMER_SEGMENT_IDLE_S": "3", "STREAMER_SLOT_SIZE": "4MiB"}, "--shm-budget", "16MiB")
+    # Long enough idle for the second rank process to start on a loaded machine (torch import).
+    d = daemon({"STREAMER_SEGMENT_IDLE_S": "10", "STREAMER_SLOT_SIZE": "4MiB"}, "--shm-budget", "16MiB")
     names = [t.name for t in _catalog(sample).tensors]
     first = finish(d.start_rank(str(sample), 0, 1, sample, names))
     kept = sorted(p.name for p in d.shm_dir.iterdir())
@@ -314,7 +315,7 @@ def test_segments_are_reused_across_sessions_then_trimmed(sample, daemon):
     assert second["bad"] == []
     assert d.stats()["segments_reused"] >= len(kept)
     assert set(kept) <= {p.name for p in d.shm_dir.iterdir()}  # the same files served the second load
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + 30
     while list(d.shm_dir.iterdir()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert list(d.shm_dir.iterdir()) == []  # trimmed once idle for STREAMER_SEGMENT_IDLE_S
@@ -342,5 +343,5 @@ def test_keeping_borrowed_daemon_tensors_is_refused_not_overwritten(sample, daem
     while not d.stats()["finished"] and time.monotonic() < deadline:
         time.sleep(0.02)
     session = d.stats()["finished"][-1]
-    assert session["ranks"]["0"]["status"] == "done"  # it left at once, not reclaimed after a timeout
+    assert session["ranks"]["0"]["status"] == "left"  # it left at once, not reclaimed after a timeout
     assert d.healthy()

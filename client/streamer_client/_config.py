@@ -19,6 +19,7 @@ class ClientConfig:
     torchelastic_run_id: str | None
     connect_timeout_s: float
     token: str | None
+    force_pull: bool | None  # None: unset here, the daemon's own setting applies
 
 
 def client_config() -> ClientConfig:
@@ -31,4 +32,12 @@ def client_config() -> ClientConfig:
         torchelastic_run_id=env.get("TORCHELASTIC_RUN_ID") or None,
         connect_timeout_s=float(env.get("STREAMER_CONNECT_TIMEOUT_S") or 5.0),
         token=env.get("STREAMER_TOKEN") or None,
+        force_pull=_flag(env.get("TRTLLM_OBJECT_STORAGE_FORCE_PULL") or env.get("STREAMER_FORCE_PULL")),
     )
+
+
+def _flag(value: str | None) -> bool | None:
+    """An environment flag as the service's settings read it (pydantic's bool words)."""
+    if value is None or not value.strip():
+        return None
+    return value.strip().lower() in {"1", "true", "t", "yes", "y", "on"}

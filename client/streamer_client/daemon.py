@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from . import errors
+from ._config import client_config
 from .dtypes import byte_view, tensor_over, torch_dtype
 from .errors import DaemonError, StreamerError
 from .leases import Leases
@@ -184,6 +185,7 @@ def daemon_stream(
             "uri": uri, "session": session, "rank": rank, "world_size": world_size,
             "select": list(select) if select is not None else None,
             "priority": list(priority) if priority else None, "launch_id": launch_id,
+            "force": client_config().force_pull,
         },  # fmt: skip
         read_timeout=None,  # blocks until every rank joined; the daemon enforces the join timeout
     )

@@ -1,0 +1,346 @@
+"""Warm restart: checkpoint bytes kept in shared memory serve the next load and rejoining ranks.
+
+Storage reads are counted at the storage side (the counting proxy's log of range GETs), not by
+the daemon's own counters.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from daemon_harness import DaemonProcess, finish
+from streamer_service.catalog import build_catalog
+from streamer_service.demo import build_sample, rank_selection
+from streamer_service.resident import ResidentStore
+from streamer_service.settings import Settings
+from streamer_service.shm import SegmentStore
+from streamer_service.storage import open_storage
+from streamer_service.uri import parse_uri
+
+WORLD = 2
+
+
+@pytest.fixture
+def sample(tmp_path_factory):
+    src = tmp_path_factory.mktemp("sample") / "ckpt"
+    build_sample(src, size_mb=12)
+    return src
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    procs = []
+
+    def start(env=None, *extra):
+        d = DaemonProcess(tmp_path, {"STREAMER_RANK_TIMEOUT_S": "2", **(env or {})}, *extra).start()
+        procs.append(d)
+        return d
+
+    yield start
+    for d in procs:
+        d.stop()
+
+
+def _names(src: Path) -> list[str]:
+    return [t.name for t in build_catalog(open_storage(parse_uri(str(src)), Settings())).tensors]
+
+
+def _nbytes(src: Path, names) -> int:
+    catalog = build_catalog(open_storage(parse_uri(str(src)), Settings()))
+    return sum(catalog[n].nbytes for n in set(names))
+
+
+def _upload(backend, src: Path, prefix: str = "ckpt") -> str:
+    backend.put_tree(prefix, {p.name: p.read_bytes() for p in src.iterdir()})
+    return backend.uri(prefix)
+
+
+def _tensor_bytes_served(backend) -> int:
+    """Bytes of ``*.safetensors`` objects the storage answered with, from the proxy's Range log."""
+    total = 0
+    for r in backend.proxy.requests:
+        if r.method == "GET" and r.path.endswith(".safetensors"):
+            assert r.range, f"a whole-object read of {r.path}"
+            a, b = map(int, re.fullmatch(r"bytes=(\d+)-(\d+)", r.range).groups())
+            total += b - a + 1
+    return total
+
+
+def _load(d: DaemonProcess, uri: str, truth: Path, selections, launch: str, **env) -> list[dict]:
+    ranks = [
+        d.start_rank(uri, r, len(selections), truth, selections[r], STREAMER_LAUNCH_ID=launch, **env)
+        for r in range(len(selections))
+    ]
+    results = [finish(p) for p in ranks]
+    for r, result in enumerate(results):
+        assert result["bad"] == [], result["bad"]
+        assert sorted(result["got"]) == sorted(selections[r])
+    return results
+
+
+def _wait_for_line(proc: subprocess.Popen, text: str, timeout: float = 120) -> None:
+    """Read the rank's stderr until a line contains ``text`` (the rank keeps running)."""
+    found = threading.Event()
+
+    def read() -> None:
+        for line in proc.stderr:
+            if text in line:
+                found.set()
+                return
+
+    threading.Thread(target=read, daemon=True).start()
+    if not found.wait(timeout):
+        raise AssertionError(f"the rank did not print {text!r} (exit {proc.poll()})")
+
+
+def _finished(d: DaemonProcess, count: int = 1, timeout: float = 60) -> list[dict]:
+    """Summaries of ended sessions, once at least ``count`` sessions have ended."""
+    deadline = time.monotonic() + timeout
+    while len(finished := d.stats()["finished"]) < count and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return finished
+
+
+def _selections(src: Path) -> list[list[str]]:
+    names = _names(src)
+    return [rank_selection(names, r, WORLD) for r in range(WORLD)]
+
+
+# --------------------------------------------------------------------------- warm reload
+
+
+@pytest.mark.parametrize("backend", ["s3"], indirect=True)
+def test_second_load_is_served_from_memory_with_no_storage_read(backend, sample, daemon):
+    uri = _upload(backend, sample)
+    selections = _selections(sample)
+    union = _nbytes(sample, [n for s in selections for n in s])
+    d = daemon(backend.env, "--shm-budget", "8MiB", "--retention-budget", "64MiB")
+
+    backend.proxy.reset()
+    _load(d, uri, sample, selections, launch="first")
+    assert union <= _tensor_bytes_served(backend) <= union * 1.001  # cold: each byte once (+ headers)
+    resident = d.stats()
+    assert resident["resident_bytes"] >= union
+    segments = sorted(p.name for p in d.shm_dir.iterdir())
+    assert segments  # the copy outlives the session
+
+    backend.proxy.reset()
+    _load(d, uri, sample, selections, launch="second")  # a new launch: a new session key
+    assert _tensor_bytes_served(backend) == 0  # warm: nothing read from storage
+    # What the warm load asked of the storage: one listing that proves the copy is current.
+    assert [r.method for r in backend.proxy.requests] == ["GET"]
+    assert backend.proxy.requests[0].range is None and not backend.proxy.requests[0].path.endswith(".safetensors")
+    last = _finished(d)[-1]
+    assert (last["state"], last["bytes_read"], last["bytes_from_memory"]) == ("done", 0, union)
+    stats = d.stats()
+    assert stats["resident_bytes_served"] == union
+    with d.client() as c:
+        metrics = {s.name: s.value for f in text_string_to_metric_families(c.get("/metrics").text) for s in f.samples}
+    assert metrics["streamer_resident_bytes_served_total"] == union
+    assert metrics["streamer_resident_bytes"] == stats["resident_bytes"]
+    assert sorted(p.name for p in d.shm_dir.iterdir()) == segments  # served from the same segments
+    assert stats["shm_in_use"] == 0  # ring budget untouched: the retention budget holds the copy
+
+    d.stop()
+    assert list(d.shm_dir.iterdir()) == []  # a stopping daemon takes its copies with it
+
+
+def test_a_load_larger_than_the_retention_budget_streams_through_the_ring(sample, daemon):
+    names = _names(sample)
+    d = daemon({}, "--shm-budget", "8MiB", "--retention-budget", "4MiB")
+    _load(d, str(sample), sample, [names], launch="first")
+    stats = d.stats()
+    assert stats["resident_bytes"] == 0 and stats["resident_checkpoints"] == []
+    assert list(d.shm_dir.iterdir()) == []
+    _load(d, str(sample), sample, [names], launch="second")
+    assert _finished(d)[-1]["bytes_read"] == _nbytes(sample, names)
+
+
+def test_least_recently_used_checkpoint_is_evicted(tmp_path, sample, daemon):
+    other = tmp_path / "other"
+    build_sample(other, size_mb=12, seed=1)
+    names = _names(sample)
+    size = _nbytes(sample, names)
+    # Room for one copy (plus slack for the per-batch segment rounding), not two.
+    d = daemon({}, "--shm-budget", "8MiB", "--retention-budget", str(size + size // 2))
+    _load(d, str(sample), sample, [names], launch="a")
+    _load(d, str(other), other, [_names(other)], launch="b")
+    stats = d.stats()
+    assert [c["uri"] for c in stats["resident_checkpoints"]] == [str(other)]
+    assert stats["resident_evictions"] == 1
+    _load(d, str(sample), sample, [names], launch="c")  # evicted: read again
+    assert _finished(d)[-1]["bytes_read"] == size
+    assert [c["uri"] for c in d.stats()["resident_checkpoints"]] == [str(sample)]
+
+
+# --------------------------------------------------------------------------- invalidation
+
+
+@pytest.mark.parametrize("backend", ["s3"], indirect=True)
+def test_a_changed_object_drops_the_copy_and_fails_naming_the_key(backend, sample, tmp_path, daemon):
+    uri = _upload(backend, sample)
+    names = _names(sample)
+    d = daemon(backend.env, "--shm-budget", "8MiB", "--retention-budget", "64MiB")
+    _load(d, uri, sample, [names], launch="first")
+    assert d.stats()["resident_bytes"] > 0
+
+    changed = tmp_path / "changed"
+    build_sample(changed, size_mb=12, seed=7)  # same layout, other bytes
+    shard = sorted(p.name for p in changed.glob("*.safetensors"))[0]
+    backend.put(f"ckpt/{shard}", (changed / shard).read_bytes())
+
+    backend.proxy.reset()
+    rank = d.start_rank(uri, 0, 1, sample, names, STREAMER_LAUNCH_ID="second")
+    out, err = rank.communicate(timeout=120)
+    assert rank.returncode != 0
+    assert "ObjectChangedError" in err and f"{uri}/{shard} changed since the metadata of {uri} was pulled" in err
+    assert "TRTLLM_OBJECT_STORAGE_FORCE_PULL=1" in err
+    assert _tensor_bytes_served(backend) == 0  # nothing mixed: not one byte of the new object read
+    stats = d.stats()
+    assert stats["resident_bytes"] == 0 and stats["resident_checkpoints"] == []
+    assert list(d.shm_dir.iterdir()) == []
+    assert d.healthy()
+
+    # A forced re-pull (once for the launch) loads the new version, byte-exact.
+    for p in changed.iterdir():
+        backend.put(f"ckpt/{p.name}", p.read_bytes())
+    backend.proxy.reset()
+    _load(d, uri, changed, [names], launch="third", TRTLLM_OBJECT_STORAGE_FORCE_PULL="1")
+    size = _nbytes(changed, names)
+    assert size <= _tensor_bytes_served(backend) <= size * 1.001  # headers read again, then the data
+
+
+def test_force_pull_drops_the_resident_copy(sample, daemon):
+    names = _names(sample)
+    size = _nbytes(sample, names)
+    d = daemon({}, "--shm-budget", "8MiB", "--retention-budget", "64MiB")
+    _load(d, str(sample), sample, [names], launch="first")
+    before = sorted(p.name for p in d.shm_dir.iterdir())
+    _load(d, str(sample), sample, [names], launch="forced", TRTLLM_OBJECT_STORAGE_FORCE_PULL="1")
+    assert _finished(d)[-1]["bytes_read"] == size  # the re-pulled generation is read again
+    after = sorted(p.name for p in d.shm_dir.iterdir())
+    assert after and not set(after) & set(before)  # the old copy's segments are gone
+    assert d.stats()["resident_bytes"] == sum(p.stat().st_size for p in d.shm_dir.iterdir())
+    # The same launch again: its pull is done, the new copy serves it.
+    _load(d, str(sample), sample, [names], launch="forced", TRTLLM_OBJECT_STORAGE_FORCE_PULL="1")
+    assert _finished(d)[-1]["bytes_read"] == 0
+
+
+# --------------------------------------------------------------------------- rejoin
+
+
+@pytest.mark.parametrize("backend", ["s3"], indirect=True)
+@pytest.mark.parametrize("retention", ["64MiB", "0"])
+def test_a_killed_rank_rejoins_and_refetches_only_what_is_not_resident(backend, sample, daemon, retention):
+    uri = _upload(backend, sample)
+    selections = _selections(sample)
+    union = _nbytes(sample, [n for s in selections for n in s])
+    mine = _nbytes(sample, selections[1])
+    d = daemon(backend.env, "--shm-budget", "8MiB", "--retention-budget", retention)
+    backend.proxy.reset()
+
+    rank0 = d.start_rank(uri, 0, WORLD, sample, selections[0], STREAMER_LAUNCH_ID="L")
+    rank1 = d.start_rank(uri, 1, WORLD, sample, selections[1], STREAMER_LAUNCH_ID="L", RANK_STALL_AFTER="3")
+    _wait_for_line(rank1, "stalled")
+    rank1.send_signal(signal.SIGKILL)  # dies holding leases; the daemon reclaims it after 2 s
+    rank1.wait()
+    assert finish(rank0)["bad"] == []
+    first = _finished(d)[-1]
+    assert first["state"] == "done" and first["ranks"]["1"]["status"] == "reclaimed"
+    assert union <= _tensor_bytes_served(backend) <= union * 1.001
+
+    # The restarted rank 1 (same launch, so the same session key) comes back alone.
+    backend.proxy.reset()
+    again = finish(d.start_rank(uri, 1, WORLD, sample, selections[1], STREAMER_LAUNCH_ID="L"))
+    assert again["bad"] == [] and sorted(again["got"]) == sorted(selections[1])
+    rejoin = _finished(d)[-1]
+    assert rejoin["rejoin_of"] == f"L:{uri}" and rejoin["state"] == "done"
+    if retention == "0":  # nothing kept: its whole selection again, and only that
+        assert (rejoin["bytes_read"], rejoin["bytes_from_memory"]) == (mine, 0)
+        assert _tensor_bytes_served(backend) == mine
+    else:
+        assert (rejoin["bytes_read"], rejoin["bytes_from_memory"]) == (0, mine)
+        assert _tensor_bytes_served(backend) == 0
+
+    # Caught up, rank 1 belongs to its group again: the next load of the launch waits for both.
+    _load(d, uri, sample, selections, launch="L")
+    assert _finished(d)[-1]["rejoin_of"] is None
+
+
+def test_a_rank_rejoining_while_the_others_still_load_gets_what_is_resident(sample, daemon):
+    selections = _selections(sample)
+    mine = _nbytes(sample, selections[1])
+    # Rank 0 consumes slowly (a 2 MiB batch of a few tensors per poll, well within the rank timeout).
+    d = daemon({"STREAMER_RANK_TIMEOUT_S": "5"}, "--shm-budget", "8MiB", "--retention-budget", "64MiB")
+    rank0 = d.start_rank(str(sample), 0, WORLD, sample, selections[0], STREAMER_LAUNCH_ID="L", RANK_SLOW_S="0.2")
+    rank1 = d.start_rank(str(sample), 1, WORLD, sample, selections[1], STREAMER_LAUNCH_ID="L", RANK_STALL_AFTER="1")
+    _wait_for_line(rank1, "stalled")
+    rank1.send_signal(signal.SIGKILL)
+    rank1.wait()
+    # Joining again at once: the daemon waits until it has reclaimed the dead rank 1, then serves it.
+    again = finish(d.start_rank(str(sample), 1, WORLD, sample, selections[1], STREAMER_LAUNCH_ID="L"))
+    assert again["bad"] == []
+    assert finish(rank0)["bad"] == []
+    rejoin, first = _finished(d, 2)  # in the order they ended: the rejoin while rank 0 still loaded
+    assert rejoin["rejoin_of"] == f"L:{sample}" and first["rejoin_of"] is None
+    assert first["ranks"]["1"]["status"] == "reclaimed" and first["ranks"]["0"]["status"] == "done"
+    assert rejoin["bytes_read"] + rejoin["bytes_from_memory"] == mine
+    assert rejoin["bytes_from_memory"] > 0
+
+
+def test_a_second_live_process_with_the_same_rank_is_refused(sample, daemon):
+    names = _names(sample)
+    # The first keeps polling (a batch of a few tensors every second or so), so it is never silent
+    # for STREAMER_RANK_TIMEOUT_S; the second waits that long for a reclaim, then is refused.
+    d = daemon({"STREAMER_RANK_TIMEOUT_S": "5"}, "--shm-budget", "8MiB")
+    first = d.start_rank(str(sample), 0, 1, sample, names, STREAMER_LAUNCH_ID="L", RANK_SLOW_S="0.2")
+    _wait_for_line(first, "got")
+    second = d.start_rank(str(sample), 0, 1, sample, names, STREAMER_LAUNCH_ID="L")
+    out, err = second.communicate(timeout=120)
+    assert second.returncode != 0
+    assert f"rank 0 is still loading in session 'L:{sample}'" in err
+    assert "two processes cannot be the same rank" in err
+    assert first.poll() is None  # unharmed
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    assert d.healthy()
+
+
+# --------------------------------------------------------------------------- the store itself
+
+
+def test_store_accounting_pins_and_lru(tmp_path):
+    store = SegmentStore(tmp_path)
+    resident = ResidentStore(limit=3 * 4096)
+    a = resident.pin("a", "g1")
+    assert resident.claim(a, 2 * 4096)
+    seg = store.create(2 * 4096)
+    resident.add(a, seg, [("x", 0), ("y", 4096)])
+    resident.settle(0)
+    resident.unpin(a)
+    b = resident.pin("b", "g1")
+    assert not resident.claim(b, 4 * 4096)  # more than the whole budget
+    assert resident.claim(b, 2 * 4096)  # evicts a, the least recently used and unpinned
+    assert resident.stats()["resident_evictions"] == 1 and not seg.path.exists()
+    resident.settle(2 * 4096)  # b's load failed before filling anything
+    resident.unpin(b)
+    assert resident.used == 0 and resident.stats()["resident_checkpoints"] == []
+
+    c = resident.pin("c", "g1")
+    assert resident.claim(c, 4096)
+    kept = store.create(4096)
+    resident.add(c, kept, [("z", 0)])
+    again = resident.pin("c", "g2")  # another generation while the first is still in use
+    assert c.dropped and kept.path.exists()  # pinned: its segment stays until released
+    resident.unpin(c)
+    assert not kept.path.exists() and resident.used == 0
+    resident.unpin(again)
+    assert store.leftovers() == []
