@@ -19,6 +19,7 @@ class ClientConfig:
     torchelastic_run_id: str | None
     connect_timeout_s: float
     token: str | None
+    progress: str  # STREAMER_PROGRESS: auto | on | off (see progress.py)
 
 
 def client_config() -> ClientConfig:
@@ -31,4 +32,5 @@ def client_config() -> ClientConfig:
         torchelastic_run_id=env.get("TORCHELASTIC_RUN_ID") or None,
         connect_timeout_s=float(env.get("STREAMER_CONNECT_TIMEOUT_S") or 5.0),
         token=env.get("STREAMER_TOKEN") or None,
+        progress=(env.get("STREAMER_PROGRESS") or "auto").lower(),
     )

@@ -27,6 +27,7 @@ from . import errors
 from .dtypes import byte_view, tensor_over, torch_dtype
 from .errors import DaemonError, StreamerError
 from .leases import Leases
+from .progress import track
 
 __all__ = ["DaemonClient", "daemon_stream"]
 
@@ -176,6 +177,7 @@ def daemon_stream(
     device: torch.device,
     borrowed: bool,
     launch_id: str | None,
+    progress: str = "off",
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Join (eagerly: selection errors raise here) and return the iterator over the tensors."""
     joined = client.call(
@@ -187,7 +189,10 @@ def daemon_stream(
         },  # fmt: skip
         read_timeout=None,  # blocks until every rank joined; the daemon enforces the join timeout
     )
-    return _Receiver(client, shm_dir, joined["session_id"], rank, device, borrowed).run()
+    tensors = _Receiver(client, shm_dir, joined["session_id"], rank, device, borrowed).run()
+    if progress == "off":
+        return tensors
+    return track(tensors, total=joined["bytes"], desc=f"rank {rank}", mode=progress)
 
 
 class _Receiver:
