@@ -60,8 +60,8 @@ def main() -> int:
         names = sorted(json.loads((metadata / "model.safetensors.index.json").read_text())["weight_map"])
         plan = rank_plan(names, config["num_hidden_layers"], args.rank, args.world_size)
         received = {}
-        # Each pipeline stage is its own load: ranks that share nothing need no common session.
-        for group, tensors in load_groups(uri, plan, session=f"pp-stage-{args.rank}"):
+        # Through a daemon the stages form one session: the node reads the union of their plans once.
+        for group, tensors in load_groups(uri, plan, rank=args.rank, world_size=args.world_size):
             nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
             print(f"rank {args.rank}: {group} ready ({len(tensors)} tensors, {nbytes} bytes)", flush=True)
             received.update(tensors)  # a real engine would build the layer here
