@@ -13,6 +13,7 @@ from pydantic import ValidationError
 
 from streamer_client.errors import StreamerError
 
+from . import logs
 from .settings import Settings, get_settings
 
 log = logging.getLogger("streamer_service")
@@ -31,6 +32,11 @@ def _settings(args: argparse.Namespace) -> Settings:
     return Settings(**update) if update else get_settings()
 
 
+def progress_mode(args: argparse.Namespace) -> str:
+    """``--progress`` / ``--no-progress``, else ``STREAMER_PROGRESS`` (``auto``: bars on a terminal only)."""
+    return args.progress or get_settings().progress
+
+
 def cmd_pull(args: argparse.Namespace) -> int:
     from .launch import resolve_launch_id
     from .metadata import MetadataCache
@@ -39,7 +45,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
     # A CLI invocation is its own launch unless one is configured: `pull --force`
     # typed twice in one shell re-downloads twice (docs/metadata-cache.md).
     launch = resolve_launch_id(settings, args.launch_id, fallback=f"cli-{os.getpid()}")
-    path = MetadataCache(settings).pull(args.uri, force=True if args.force else None, launch_id=launch)
+    path = MetadataCache(settings, progress=progress_mode(args)).pull(args.uri, force=True if args.force else None, launch_id=launch)
     print(path)
     return 0
 
@@ -97,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Object-storage checkpoint streaming with node-local shared-memory fan-out.",
     )
     parser.add_argument("--log-level", help="DEBUG, INFO (default), WARNING, ERROR (STREAMER_LOG_LEVEL)")
+    parser.add_argument("--log-format", choices=["text", "json"], help="text (default) or json lines (STREAMER_LOG_FORMAT)")
+    bars = parser.add_mutually_exclusive_group()
+    bars.add_argument("--progress", action="store_const", const="on", dest="progress",
+                      help="draw progress bars on stderr even when it is not a terminal (STREAMER_PROGRESS=on)")
+    bars.add_argument("--no-progress", action="store_const", const="off", dest="progress",
+                      help="no progress bars (STREAMER_PROGRESS=off); default: only on a terminal")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     pull = sub.add_parser("pull", help="pull a checkpoint's config, tokenizer and code into the node cache")
@@ -144,12 +156,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        level = (args.log_level or get_settings().log_level).upper()
+        settings = get_settings()
+        level = (args.log_level or settings.log_level).upper()
+        if not isinstance(logging.getLevelName(level), int):  # --log-level is not validated by Settings
+            raise ValueError(f"unknown log level {level!r}")
+        fmt = args.log_format or settings.log_format
     except Exception as exc:  # noqa: BLE001 - a bad STREAMER_* variable is a usage error
         print(f"streamer-service: invalid configuration: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
+    logs.configure(level, fmt)
     try:
         return args.run(args)
     except StreamerError as exc:

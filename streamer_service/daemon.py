@@ -201,7 +201,7 @@ class Daemon:
 
     def _ended(self, session: Session) -> None:
         summary = session.summary()
-        self.metrics.session_ended(summary, session.checkpoint.uri.scheme.value)
+        self.metrics.session_ended(summary, session.checkpoint.uri.scheme.value, session.stats.read_seconds)
         with self._lock:
             if self.sessions.get(session.key) is session:
                 del self.sessions[session.key]

@@ -22,6 +22,7 @@ from pathlib import Path
 __all__ = ["add_arguments", "run"]
 
 SHARED_PREFIXES = ("model.embed_tokens.", "lm_head.", "model.norm.")
+_REPORT_BYTES = 8 * 1024**2  # a rank tells the parent's progress bar every this many bytes
 
 
 @dataclass(frozen=True)
@@ -141,9 +142,16 @@ def _rank_main(uri: str, truth_dir: str | None, rank: int, world_size: int, sele
         # stream() returns once the session is joined (and the selection checked); reading starts then.
         tensors = streamer_client.stream(uri, select=select, rank=rank, world_size=world_size)
         joined = time.perf_counter()
+        unreported = 0
         for name, tensor in tensors:
             received[name] = tensor
-            nbytes += tensor.numel() * tensor.element_size()
+            size = tensor.numel() * tensor.element_size()
+            nbytes += size
+            unreported += size
+            if unreported >= _REPORT_BYTES:
+                queue.put(unreported)  # the parent's progress bar
+                unreported = 0
+        queue.put(unreported)
         seconds = time.perf_counter() - joined
         mismatches = _verify(uri, truth_dir, received, select)
         queue.put(RankResult(rank, len(received), nbytes, joined - started, seconds, tuple(mismatches), None))
@@ -232,7 +240,7 @@ def run(args: argparse.Namespace) -> int:
         try:
             env = daemon.env() if daemon else {}
             env["STREAMER_LAUNCH_ID"] = f"demo-{os.getpid()}"
-            results, wall = _run_ranks(uri, truth_dir, selections, env)
+            results, wall = _run_ranks(uri, truth_dir, selections, env, _progress(args, requested))
             stats = daemon.stats() if daemon else None
             storage_bytes = stats["bytes_read"] if stats else requested
             peak_shm = stats["shm_peak"] if stats else None
@@ -268,7 +276,16 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
-def _run_ranks(uri: str, truth_dir: str | None, selections: list[list[str]], env: dict) -> tuple[list[RankResult], float]:
+def _progress(args: argparse.Namespace, total: int):
+    """A bar of the bytes all ranks received and their aggregate GB/s (quiet unless on a terminal)."""
+    from streamer_client.progress import bar
+
+    from .cli import progress_mode
+
+    return bar(total=total, desc=f"{args.ranks} ranks", mode=progress_mode(args))
+
+
+def _run_ranks(uri: str, truth_dir: str | None, selections: list[list[str]], env: dict, progress) -> tuple[list[RankResult], float]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     world = len(selections)
@@ -280,8 +297,13 @@ def _run_ranks(uri: str, truth_dir: str | None, selections: list[list[str]], env
     for p in procs:
         p.start()
     results = []
-    for _ in procs:
-        results.append(queue.get(timeout=1800))
+    with progress:
+        while len(results) < world:
+            message = queue.get(timeout=1800)
+            if isinstance(message, RankResult):
+                results.append(message)
+            else:
+                progress.update(message)
     for p in procs:
         p.join()
     return sorted(results, key=lambda r: r.rank), time.perf_counter() - started

@@ -6,6 +6,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from streamer_client.progress import track
+
 from .checkpoint import open_checkpoint
 from .engine import EmbeddedEngine, EngineConfig
 from .runai import check_credentials
@@ -23,6 +25,7 @@ def stream(
     device: str | torch.device = "cpu",
     borrowed: bool = False,
     launch_id: str | None = None,
+    progress: str = "off",
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` pairs of ``uri`` in plan order.
 
@@ -33,4 +36,8 @@ def stream(
     check_credentials(checkpoint.uri, settings)
     engine = EmbeddedEngine(checkpoint.uri, checkpoint.catalog, EngineConfig.from_settings(settings))
     plan = engine.plan(list(select) if select is not None else None, list(priority) if priority else None)
-    return engine.stream(plan, device=device, borrowed=borrowed)
+    tensors = engine.stream(plan, device=device, borrowed=borrowed)
+    if progress == "off":
+        return tensors
+    total = sum(t.nbytes for t in plan.tensors)
+    return track(tensors, total=total, desc=checkpoint.uri.normalized, mode=progress)

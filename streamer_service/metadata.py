@@ -27,6 +27,7 @@ from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 
 from streamer_client.errors import CacheError, ObjectChangedError, ObjectNotFoundError, StreamerError, UnsafeKeyError
+from streamer_client.progress import bar
 
 from .launch import resolve_launch_id
 from .lock import FileLock
@@ -125,8 +126,9 @@ class Marker:
 class MetadataCache:
     """Pulls non-weight files of checkpoint URIs into ``settings.cache_dir``."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, progress: str = "off") -> None:
         self.settings = settings
+        self.progress = progress  # a bar of the files and bytes of each pull (the CLI's)
         self.root = Path(settings.cache_dir)
         self.downloads = 0  # pulls this object performed (0 after a cache hit)
 
@@ -205,8 +207,12 @@ class MetadataCache:
         try:
             tmp.mkdir()
             total = 0
-            for obj in files:
-                total += self._download(storage, obj, tmp / paths[obj.name], uri)
+            with bar(total=sum(o.size for o in files), desc="pull", mode=self.progress) as shown:
+                for i, obj in enumerate(files, 1):
+                    written = self._download(storage, obj, tmp / paths[obj.name], uri)
+                    total += written
+                    shown.set_postfix_str(f"{i}/{len(files)} files", refresh=False)
+                    shown.update(written)
             self._swap_in(tmp, final, uri, token)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -2,13 +2,22 @@
 
 One registry per daemon (not the process-global one), so tests can run several. Counters are
 updated when a session ends or a request fails; gauges are read from the daemon at scrape time.
+
+Throughput is exported the Prometheus way, as two counters to divide:
+``rate(streamer_storage_bytes_read_total[5m]) / rate(streamer_storage_read_seconds_total[5m])``
+is the storage GB/s while loading, over any window; the gauge
+``streamer_last_session_read_bytes_per_second`` is the same for the last session alone.
+
+There is no retry counter: Run:ai retries tensor reads inside its native reader and reports
+only the final outcome, and the cloud SDKs retry metadata requests internally
+(``STREAMER_STORAGE_RETRIES``). Requests that still failed count in ``streamer_errors_total``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -47,6 +56,18 @@ class Metrics:
         self.delivered_bytes = Counter(
             "streamer_rank_bytes_delivered", "Bytes handed to ranks, by rank number", ["rank"], registry=self.registry
         )
+        self.read_seconds = Counter(
+            "streamer_storage_read_seconds",
+            "Seconds sessions spent reading, first storage request to last byte landed (waits for slow ranks included)",
+            ["scheme"],
+            registry=self.registry,
+        )
+        self.last_rate = Gauge(
+            "streamer_last_session_read_bytes_per_second",
+            "Storage bytes per second of the last session that read any",
+            ["scheme"],
+            registry=self.registry,
+        )
         self.sessions = Counter("streamer_sessions", "Sessions ended, by outcome", ["outcome"], registry=self.registry)
         self.errors = Counter("streamer_errors", "Requests refused or failed, by error type", ["type"], registry=self.registry)
         self.metadata = Counter(
@@ -54,8 +75,11 @@ class Metrics:
         )
         self.registry.register(_Gauges(read_stats))
 
-    def session_ended(self, summary: dict, scheme: str) -> None:
+    def session_ended(self, summary: dict, scheme: str, read_seconds: float) -> None:
         self.storage_bytes.labels(scheme=scheme).inc(summary["bytes_read"])
+        self.read_seconds.labels(scheme=scheme).inc(read_seconds)
+        if summary["bytes_read"] and read_seconds > 0:
+            self.last_rate.labels(scheme=scheme).set(summary["bytes_read"] / read_seconds)
         for rank, info in summary["ranks"].items():
             self.delivered_bytes.labels(rank=str(rank)).inc(info["bytes_delivered"])
         self.sessions.labels(outcome=summary["state"]).inc()

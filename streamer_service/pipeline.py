@@ -14,6 +14,7 @@ shared-memory segments, released when every rank is done with them):
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -40,6 +41,15 @@ class LoadStats:
     bytes_read: int = 0  # written into our buffers by Run:ai
     submissions: int = 0
     peak_in_flight: int = 0
+    first_submitted: float | None = None  # time.monotonic() of the first submission
+    last_landed: float | None = None  # ... of the last range that landed
+
+    @property
+    def read_seconds(self) -> float:
+        """First submission to last byte landed: the storage-read span (waits for buffers included)."""
+        if self.first_submitted is None or self.last_landed is None:
+            return 0.0
+        return self.last_landed - self.first_submitted
 
 
 @dataclass(eq=False)
@@ -120,6 +130,8 @@ class Pipeline:
     def _submit(self, load: Load) -> None:
         submission = self._reader.submit(self._file_reads(load), keepalive=load.buffer)
         self._by_submission[submission] = load
+        if self._stats.first_submitted is None:
+            self._stats.first_submitted = time.monotonic()
         self._stats.submissions += 1
         self._stats.peak_in_flight = max(self._stats.peak_in_flight, len(self._by_submission))
 
@@ -144,6 +156,7 @@ class Pipeline:
         load.remaining -= 1
         if result.error is None:
             self._stats.bytes_read += result.range.nbytes
+            self._stats.last_landed = time.monotonic()
         elif load.failed is None:
             load.failed = result
         if load.done:

@@ -71,13 +71,16 @@ def serve(settings: Settings, *, socket_mode: int = 0o600) -> int:
     if settings.tcp_port is not None and not (settings.token and settings.token.get_secret_value()):
         raise ConfigError("--tcp-port needs a bearer token in STREAMER_TOKEN")
     sockets = [bind_unix_socket(path, socket_mode)]
-    log.info("serving on unix socket %s (mode %o)", path, socket_mode)
+    # SecretStr fields (token, Azure key, SAS, connection string) dump as "**********".
+    log.debug("settings: %s", settings.model_dump_json())
+    log.info("serving on unix socket %s (mode %o)", path, socket_mode, extra={"socket": str(path)})
     if settings.tcp_port is not None:
         sockets.append(bind_loopback(settings.tcp_port))
         log.info("serving on 127.0.0.1:%d (bearer token required)", settings.tcp_port)
     config = uvicorn.Config(
         create_app(settings),
         log_level=settings.log_level.lower(),
+        log_config=None,  # uvicorn's records go to our handler, in STREAMER_LOG_FORMAT (logs.py)
         access_log=False,
         timeout_graceful_shutdown=3,
         lifespan="on",

@@ -122,6 +122,15 @@ class Settings(BaseSettings):
     """A rank silent this long (dead, hung) is reclaimed: its leases released, the others go on."""
 
     log_level: str = "INFO"
+    """Least severe level logged (``--log-level``)."""
+
+    log_format: Literal["text", "json"] = "text"
+    """``json``: one JSON object per line (time, level, logger, message, extra fields) for log
+    collectors; ``text``: one readable line (``--log-format``)."""
+
+    progress: Literal["auto", "on", "off"] = "auto"
+    """Progress bars on stderr (tqdm): ``auto`` draws them only when stderr is a terminal
+    (``--progress`` / ``--no-progress``); the client draws one only when asked (``progress=True``)."""
 
     @field_validator("log_level")
     @classmethod

@@ -105,6 +105,7 @@ def stream(
     cache_dir: str | os.PathLike | None = None,
     launch_id: str | None = None,
     session: str | None = None,
+    progress: bool = False,
 ) -> Iterator[tuple[str, "torch.Tensor"]]:
     """Stream the tensors of checkpoint ``uri``: ``(name, tensor)`` in checkpoint order.
 
@@ -124,11 +125,16 @@ def stream(
 
     The daemon is found through ``socket`` or ``STREAMER_SOCKET``; with none
     reachable this runs in-process (and says so once in the log).
+
+    ``progress=True`` draws a bar of this rank's bytes and GB/s on stderr, following
+    ``STREAMER_PROGRESS`` (``auto``: only on a terminal). It needs tqdm, which this package does
+    not install; without it ``ConfigError`` says so, before anything is loaded.
     """
     if not (0 <= rank < world_size):
         from .errors import ConfigError
 
         raise ConfigError(f"rank {rank} is outside world_size {world_size}")
+    bar_mode = _progress_mode(progress)
     uri = os.fspath(uri) if isinstance(uri, os.PathLike) else uri
     client = _daemon(socket)
     if client is not None:
@@ -148,6 +154,7 @@ def stream(
             device=resolve_device(device),
             borrowed=borrowed,
             launch_id=launch,
+            progress=bar_mode,
         )
     from ._embedded import service, settings
 
@@ -163,7 +170,18 @@ def stream(
         device=device,
         borrowed=borrowed,
         launch_id=launch_id,
+        progress=bar_mode,
     )
+
+
+def _progress_mode(asked: bool) -> str:
+    """The bar mode for a ``stream`` call: ``off`` unless asked; tqdm checked now, before any work."""
+    from . import progress
+
+    mode = progress.check_mode(_config.client_config().progress) if asked else "off"
+    if mode != "off":
+        progress.require_tqdm()
+    return mode
 
 
 def load_state_dict(uri: str | os.PathLike, **kwargs) -> dict[str, "torch.Tensor"]:

@@ -20,6 +20,7 @@ class ClientConfig:
     connect_timeout_s: float
     token: str | None
     force_pull: bool | None  # None: unset here, the daemon's own setting applies
+    progress: str  # STREAMER_PROGRESS: auto | on | off (see progress.py)
 
 
 def client_config() -> ClientConfig:
@@ -33,6 +34,7 @@ def client_config() -> ClientConfig:
         connect_timeout_s=float(env.get("STREAMER_CONNECT_TIMEOUT_S") or 5.0),
         token=env.get("STREAMER_TOKEN") or None,
         force_pull=_flag(env.get("TRTLLM_OBJECT_STORAGE_FORCE_PULL") or env.get("STREAMER_FORCE_PULL")),
+        progress=(env.get("STREAMER_PROGRESS") or "auto").lower(),
     )
 
 

@@ -28,6 +28,7 @@ from ._config import client_config
 from .dtypes import byte_view, tensor_over, torch_dtype
 from .errors import DaemonError, StreamerError
 from .leases import Leases
+from .progress import track
 
 __all__ = ["DaemonClient", "daemon_stream"]
 
@@ -177,6 +178,7 @@ def daemon_stream(
     device: torch.device,
     borrowed: bool,
     launch_id: str | None,
+    progress: str = "off",
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Join (eagerly: selection errors raise here) and return the iterator over the tensors."""
     joined = client.call(
@@ -189,7 +191,10 @@ def daemon_stream(
         },  # fmt: skip
         read_timeout=None,  # blocks until every rank joined; the daemon enforces the join timeout
     )
-    return _Receiver(client, shm_dir, joined["session_id"], rank, device, borrowed).run()
+    tensors = _Receiver(client, shm_dir, joined["session_id"], rank, device, borrowed).run()
+    if progress == "off":
+        return tensors
+    return track(tensors, total=joined["bytes"], desc=f"rank {rank}", mode=progress)
 
 
 class _Receiver:
