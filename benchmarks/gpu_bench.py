@@ -20,6 +20,9 @@ Rows (GB = 1e9 bytes; each row's rate is the median of its repetitions):
   without a GPU, for reference (what the reads alone allow).
 - with ``--ranks 2`` and two GPUs: the shm and e2e rows again with two processes, one per GPU,
   started together at a barrier each repetition; per-rank medians.
+- with ``--retention SIZE``: a daemon that keeps the checkpoint resident (STREAMER_RETENTION_BUDGET);
+  its first load (``cold``) reads storage, the following ones (``warm``) are served from the
+  resident copy in shared memory: what a restarted engine sees.
 
 Data is random (never zeros). Prints the machine, then the table last.
 """
@@ -189,9 +192,10 @@ def shm_to_cuda(array: np.ndarray, device: str, reps: int, pin: bool, barrier=No
 
 def e2e(
     directory: Path, device: str, reps: int, expected: int, cache_dir: Path, budget: str | None, barrier=None,
-    *, rank: int = 0, world_size: int = 1,
+    *, rank: int = 0, world_size: int = 1, keep_first: bool = False,
 ) -> list[float]:
-    """Wall time of load_state_dict(dir, device=...) incl. synchronize; GB/s per rep (after a warm-up).
+    """Wall time of load_state_dict(dir, device=...) incl. synchronize; GB/s per rep (after a warm-up,
+    which ``keep_first`` reports too, as the first element).
 
     With ``STREAMER_SOCKET`` set (daemon rows) the ranks of one repetition share one session.
     """
@@ -213,7 +217,7 @@ def e2e(
         if rep == 0 and device != "cpu":
             _spot_check(directory, state)
         del state
-        if rep:
+        if rep or keep_first:
             rates.append(expected / elapsed / GB)
     return rates
 
@@ -239,8 +243,9 @@ def _rank_main(rank: int, kind: str, arg: str, reps: int, expected: int, cache_d
         os.environ.update(env or {})
         device = f"cuda:{rank % torch.cuda.device_count()}"
         torch.cuda.set_device(device)
-        if kind == "daemon":
-            rates = e2e(Path(arg), device, reps, expected, Path(cache_dir), None, barrier=barrier, rank=rank, world_size=world)
+        if kind in ("daemon", "daemon-retained"):
+            rates = e2e(Path(arg), device, reps, expected, Path(cache_dir), None, barrier=barrier, rank=rank,
+                        world_size=world, keep_first=kind == "daemon-retained")  # fmt: skip
         elif kind == "shm":
             memory, array = map_shm_file(Path(arg))
             rates, register_s, _ = shm_to_cuda(array, device, reps, pin=True, barrier=barrier)
@@ -303,6 +308,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dir", type=Path, help="checkpoint directory (default: a temp dir)")
     parser.add_argument("--json", type=Path, help="also write every measurement here")
     parser.add_argument("--daemon-budget", default="4GiB", help="shm budget of the daemon rows' daemon")
+    parser.add_argument("--retention", help="also cold vs warm rows with a daemon keeping this much resident, e.g. 16GiB")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("gpu_bench needs CUDA")
@@ -365,6 +371,23 @@ def main(argv: list[str] | None = None) -> None:
                         f"node read {read / total:.3f}x the checkpoint per load")
         finally:
             daemon.close()
+        for world in sorted({1, args.ranks}) if args.retention else ():
+            root = Path(tmp) / f"retained-{world}"  # a fresh daemon: its first load is cold
+            root.mkdir()
+            env = {"STREAMER_CACHE_DIR": str(root / "cache"), "STREAMER_RETENTION_BUDGET": args.retention}
+            daemon = ChildDaemon(root, args.daemon_budget, env=env)
+            try:
+                per_rank = two_ranks("daemon-retained", str(directory), args.e2e_reps, total, root / "rank-cache", daemon.env(), world)
+                stats = daemon.stats()
+            finally:
+                daemon.close()
+            for r, rates in enumerate(per_rank):
+                gpu = f"cuda:{r % torch.cuda.device_count()}"
+                add(f"daemon cold, retention on, {world} rank(s): rank {r} -> {gpu}", rates[:1], "first load: reads storage")
+                add(f"daemon warm from resident copy, {world} rank(s): rank {r} -> {gpu}", rates[1:],
+                    f"warm/cold time {rates[0] / statistics.median(rates[1:]):.3f}")
+            print(f"  retention, {world} rank(s): {stats['resident_bytes_served'] / GB:.2f} GB served from memory, "
+                  f"{stats['bytes_read'] / GB:.2f} GB read from storage", flush=True)  # fmt: skip
 
     ceiling_rate = statistics.median(rows[0][1])
     print()

@@ -83,3 +83,22 @@ def test_daemon_ranks_on_gpus_byte_exact(big_checkpoint, tmp_path, world):
     finally:
         d.stop()
     assert list(d.shm_dir.iterdir()) == []
+
+
+def test_warm_reload_to_gpu_from_the_resident_copy(big_checkpoint, tmp_path):
+    """A second launch reads nothing from storage; its tensors, copied from resident segments, are exact."""
+    d = DaemonProcess(tmp_path, {}, "--shm-budget", "1GiB", "--retention-budget", "4GiB").start()
+    try:
+        for launch in ("cold", "warm"):
+            p = subprocess.run([sys.executable, "-c", RANK, str(big_checkpoint), "0", "1"],
+                               env=d.rank_env(STREAMER_LAUNCH_ID=launch), capture_output=True, text=True, timeout=600)  # fmt: skip
+            assert p.returncode == 0, p.stderr[-3000:]
+            result = json.loads(p.stdout.strip().splitlines()[-1])
+            assert result["bad"] == [] and result["n"] == 49, result
+        cold, warm = d.stats()["finished"][-2:]
+        total = sum(f.stat().st_size for f in big_checkpoint.glob("*.safetensors"))
+        assert 0 < cold["bytes_read"] <= total and cold["bytes_from_memory"] == 0
+        assert warm["bytes_read"] == 0 and warm["bytes_from_memory"] == cold["bytes_read"]
+    finally:
+        d.stop()
+    assert list(d.shm_dir.iterdir()) == []
