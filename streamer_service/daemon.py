@@ -17,11 +17,12 @@ from streamer_client.errors import SessionError, StorageAccessDeniedError
 from .checkpoint import open_checkpoint
 from .metadata import MetadataCache
 from .metrics import Metrics
-from .runai import check_credentials
+from .runai import check_credentials, storage_environment
 from .session import Session, SessionState
 from .settings import Settings
 from .shm import SegmentPool, SegmentStore, ShmBudget, sweep_stale_segments
 from .uri import StorageURI, parse_uri
+from .versions import ObjectVersions
 
 __all__ = ["Daemon"]
 
@@ -138,6 +139,8 @@ class Daemon:
                     pool=self.pool,
                     join_timeout_s=self.settings.join_timeout_s,
                     on_end=self._ended,
+                    storage_environment=storage_environment(self.settings),
+                    versions=ObjectVersions(parsed, checkpoint.catalog.files, self.settings),
                 )
                 self.sessions[key] = session
             elif session.checkpoint.uri != parsed:

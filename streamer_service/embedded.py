@@ -10,6 +10,7 @@ from .checkpoint import open_checkpoint
 from .engine import EmbeddedEngine, EngineConfig
 from .runai import check_credentials
 from .settings import Settings
+from .versions import ObjectVersions
 
 __all__ = ["stream"]
 
@@ -31,6 +32,7 @@ def stream(
     """
     checkpoint = open_checkpoint(uri, settings, launch_id=launch_id)
     check_credentials(checkpoint.uri, settings)
-    engine = EmbeddedEngine(checkpoint.uri, checkpoint.catalog, EngineConfig.from_settings(settings))
+    versions = ObjectVersions(checkpoint.uri, checkpoint.catalog.files, settings)
+    engine = EmbeddedEngine(checkpoint.uri, checkpoint.catalog, EngineConfig.from_settings(settings), versions=versions)
     plan = engine.plan(list(select) if select is not None else None, list(priority) if priority else None)
     return engine.stream(plan, device=device, borrowed=borrowed)

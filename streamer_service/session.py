@@ -20,7 +20,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from streamer_client.errors import SessionError, StreamerError
@@ -31,6 +31,7 @@ from .pipeline import Load, LoadStats, Pipeline
 from .plan import Batch, BatchKind, Plan, build_plan, select
 from .runai import NativeReader
 from .shm import Reservation, Segment, SegmentPool
+from .versions import ObjectVersions
 
 __all__ = ["Handle", "Session", "SessionState", "RankState"]
 
@@ -107,6 +108,8 @@ class Session:
         pool: SegmentPool,
         join_timeout_s: float,
         on_end: Callable[["Session"], None],
+        storage_environment: Mapping[str, str] | None = None,
+        versions: ObjectVersions | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.id = uuid.uuid4().hex
@@ -122,6 +125,8 @@ class Session:
         self._join_deadline = clock() + join_timeout_s
         self._join_timeout_s = join_timeout_s
         self._on_end = on_end
+        self._storage_environment = storage_environment  # Run:ai's retry/timeout variables
+        self._versions = versions  # checks each loaded batch's objects before publishing it
         self._clock = clock
         self._cond = threading.Condition()
         self._priority: set[str] = set()
@@ -203,8 +208,10 @@ class Session:
         started = self._clock()
         try:
             local = self.checkpoint.uri.is_local
-            with NativeReader(fs_strategy=BUFFERED_FS_STRATEGY if local else None) as reader:
-                pipeline = Pipeline(self.checkpoint.uri, plan, reader, self._acquire, self.stats)
+            fs_strategy = BUFFERED_FS_STRATEGY if local else None
+            with NativeReader(fs_strategy=fs_strategy, environment=self._storage_environment) as reader:
+                verify = self._versions.check if self._versions is not None else None
+                pipeline = Pipeline(self.checkpoint.uri, plan, reader, self._acquire, self.stats, verify)
                 for load in pipeline.loaded(self._wait_for_release):
                     self._publish(load)
             with self._cond:
@@ -230,6 +237,8 @@ class Session:
             with self._cond:
                 self._fail(StreamerError(f"daemon error while streaming {self.checkpoint.uri}: {exc!r}"))
         finally:
+            if self._versions is not None:
+                self._versions.close()
             self._release_segments()
             self._on_end(self)
 

@@ -22,15 +22,20 @@ RANK_SCRIPT = textwrap.dedent(
     index = json.load(open(truth_dir + "/model.safetensors.index.json"))["weight_map"]
     files = {}
     got, bad = [], []
-    for name, t in streamer_client.stream(uri, select=select, rank=rank, world_size=world):
-        shard = index[name]
-        if shard not in files:
-            files[shard] = safe_open(truth_dir + "/" + shard, "pt")
-        want = files[shard].get_tensor(name)
-        if not (want.dtype == t.dtype and want.shape == t.shape and torch.equal(want, t)):
-            bad.append(name)
-        got.append(name)
-        print("got", name, flush=True, file=sys.stderr)
+    try:
+        for name, t in streamer_client.stream(uri, select=select, rank=rank, world_size=world):
+            shard = index[name]
+            if shard not in files:
+                files[shard] = safe_open(truth_dir + "/" + shard, "pt")
+            want = files[shard].get_tensor(name)
+            if not (want.dtype == t.dtype and want.shape == t.shape and torch.equal(want, t)):
+                bad.append(name)
+            got.append(name)
+            print("got", name, flush=True, file=sys.stderr)
+    except streamer_client.errors.StreamerError as exc:  # what was delivered before it, and the error
+        error = {"type": type(exc).__name__, "message": str(exc), "uri": exc.uri, "key": exc.key}
+        print(json.dumps({"rank": rank, "got": got, "bad": bad, "error": error}))
+        sys.exit(3)
     print(json.dumps({"rank": rank, "got": got, "bad": bad}))
     """
 )
@@ -96,8 +101,28 @@ class DaemonProcess:
 def finish(proc: subprocess.Popen, timeout: float = 300) -> dict:
     out, err = proc.communicate(timeout=timeout)
     if proc.returncode != 0:
-        raise AssertionError(f"rank exited {proc.returncode}: {err[-3000:]}")
+        raise AssertionError(f"rank exited {proc.returncode}: {out[-1000:]} {err[-3000:]}")
     return json.loads(out.strip().splitlines()[-1])
+
+
+def finish_failed(proc: subprocess.Popen, timeout: float = 300) -> dict:
+    """The result of a rank whose load failed with a StreamerError: ``got``, ``bad`` and ``error``."""
+    out, err = proc.communicate(timeout=timeout)
+    if proc.returncode != 3:
+        raise AssertionError(f"rank exited {proc.returncode}, not with a StreamerError: {out[-1000:]} {err[-3000:]}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def leftovers(d: "DaemonProcess", cache_dir: Path, timeout: float = 10) -> tuple[list[str], list[str]]:
+    """What a scenario left behind once the daemon settled: (shm files, half-filled cache dirs)."""
+    deadline = time.monotonic() + timeout
+    while list(d.shm_dir.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    shm = sorted(p.name for p in d.shm_dir.iterdir())
+    half = sorted(p.name for p in cache_dir.glob(".*") if p.name.startswith((".tmp-", ".old-"))) if cache_dir.exists() else []
+    if cache_dir.exists():
+        half += sorted(p.name for p in cache_dir.iterdir() if p.is_dir() and not (p / ".runai_complete").exists() and not p.name.startswith("."))
+    return shm, half
 
 
 class ShmSampler:
