@@ -17,6 +17,7 @@ from streamer_client.errors import SessionError, StorageAccessDeniedError
 from .checkpoint import open_checkpoint
 from .metadata import MetadataCache
 from .metrics import Metrics
+from .plan import select as select_tensors
 from .runai import check_credentials, storage_environment
 from .session import Session, SessionState
 from .settings import Settings
@@ -128,6 +129,10 @@ class Daemon:
         with opening:
             checkpoint = open_checkpoint(parsed, self.settings, launch_id=launch_id)
         check_credentials(parsed, self.settings)
+        # Refused before a session exists: a refused first join must not leave an empty session behind.
+        if not 0 <= rank < world_size:
+            raise SessionError(f"rank {rank} is outside world_size {world_size}", uri=parsed.normalized)
+        select_tensors(checkpoint.catalog.tensors, select, priority)
         with self._lock:
             session = self.sessions.get(key)
             if session is None or session.state in (SessionState.DONE, SessionState.FAILED):
