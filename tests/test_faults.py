@@ -1,4 +1,4 @@
-"""Storage faults under a real daemon: a fault-injecting proxy in front of the S3 emulator.
+"""Storage faults under a real daemon: a fault-injecting proxy in front of the storage emulator.
 
 Where retries can recover (a share of ranged GETs answered 503 SlowDown or 500, reset mid-body,
 or cut short), the load completes byte-exact. Where they cannot (every tensor read stalls past
@@ -6,6 +6,8 @@ the timeout, or is refused), the rank gets a clear error naming the object URI a
 within a bounded time, and every tensor it did get is whole. An object overwritten during a load
 fails it naming the key; no rank ever sees a mix of old and new bytes. After every scenario the
 shm dir is empty, the cache holds no half-filled dir and the daemon answers ``/healthz``.
+
+Recoverable faults run on S3 and GCS (one Run:ai backend per daemon process); the rest on S3.
 """
 
 from __future__ import annotations
@@ -44,8 +46,8 @@ def sample(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def s3_daemon(request, backend, sample, tmp_path):
-    """The sample on S3 (through the proxy) and a daemon reading it; yields (daemon, uri)."""
+def cloud_daemon(request, backend, sample, tmp_path):
+    """The sample on the backend (through the proxy) and a daemon reading it; yields (daemon, uri)."""
     backend.put_tree("ckpt", {p.name: p.read_bytes() for p in sample.iterdir()})
     d = DaemonProcess(
         tmp_path, {**backend.env, **FAST_FAILING, "STREAMER_SLOT_SIZE": "1MiB", "STREAMER_RANK_TIMEOUT_S": "5"},
@@ -74,33 +76,33 @@ def _tensor_read(r: RecordedRequest) -> bool:
     return range_get(r) and int(re.match(r"bytes=(\d+)-", r.range).group(1)) > 8
 
 
-RECOVERABLE = {
-    "503-slowdown": lambda r: cloud_error("s3", 503),
-    "500-internal": lambda r: cloud_error("s3", 500),
-    "reset-mid-body": always(Fault.reset()),
-    "truncated-body": always(Fault.truncated()),
+RECOVERABLE = {  # kind -> the fault, in the format of the backend's cloud
+    "503-slowdown": lambda backend: cloud_error(backend, 503),
+    "500-internal": lambda backend: cloud_error(backend, 500),
+    "reset-mid-body": lambda backend: Fault.reset(),
+    "truncated-body": lambda backend: Fault.truncated(),
 }
 
 
-def _each_kind_in_turn(kinds: dict) -> tuple:
+def _each_kind_in_turn(backend: str) -> tuple:
     """A hook that answers with the next kind of fault each time it is asked, and a log of them."""
-    order = itertools.cycle(kinds)
+    order = itertools.cycle(RECOVERABLE)
     used: list[tuple[str, str]] = []
 
     def hook(r: RecordedRequest):
         kind = next(order)
         used.append((kind, r.range))
-        return kinds[kind](r)
+        return RECOVERABLE[kind](backend)
 
     return hook, used
 
 
-@pytest.mark.parametrize("backend", ["s3"], indirect=True)
-def test_a_share_of_failing_range_gets_is_retried_byte_exact(s3_daemon, backend, sample):
-    d, uri = s3_daemon
+@pytest.mark.parametrize("backend", ["s3", "gcs"], indirect=True)
+def test_a_share_of_failing_range_gets_is_retried_byte_exact(cloud_daemon, backend, sample):
+    d, uri = cloud_daemon
     # Every third ranged GET, header reads (boto3) and tensor reads (Run:ai) alike, fails with the
     # next of 503 SlowDown, 500, a reset mid-body and a truncated body.
-    hook, used = _each_kind_in_turn(RECOVERABLE)
+    hook, used = _each_kind_in_turn(backend.name)
     backend.proxy.fault = every_nth(3, hook)
     result = finish(d.start_rank(uri, 0, 1, sample, None))
     assert result["bad"] == [] and sorted(result["got"]) == _names(sample)
@@ -120,8 +122,8 @@ UNRECOVERABLE = {
 
 @pytest.mark.parametrize("backend", ["s3"], indirect=True)
 @pytest.mark.parametrize("fault", list(UNRECOVERABLE))
-def test_unrecoverable_reads_fail_clearly_in_bounded_time(fault, s3_daemon, backend, sample):
-    d, uri = s3_daemon
+def test_unrecoverable_reads_fail_clearly_in_bounded_time(fault, cloud_daemon, backend, sample):
+    d, uri = cloud_daemon
     hook = UNRECOVERABLE[fault]
     backend.proxy.fault = lambda r: hook(r) if _tensor_read(r) else None
     started = time.monotonic()
@@ -147,8 +149,8 @@ def test_unrecoverable_reads_fail_clearly_in_bounded_time(fault, s3_daemon, back
 
 
 @pytest.mark.parametrize("backend", ["s3"], indirect=True)
-def test_an_object_overwritten_mid_load_fails_naming_the_key_never_mixing(s3_daemon, backend, sample, tmp_path):
-    d, uri = s3_daemon
+def test_an_object_overwritten_mid_load_fails_naming_the_key_never_mixing(cloud_daemon, backend, sample, tmp_path):
+    d, uri = cloud_daemon
     # The same shapes with other values: equal sizes and headers, so only the bytes differ.
     new = tmp_path / "new"
     build_sample(new, size_mb=12, seed=1)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
-import sys
 import uuid
 from pathlib import Path
 
