@@ -110,6 +110,7 @@ process-wide changes and nothing needs restoring."""
 FS_STRATEGY_ENV = "RUNAI_STREAMER_FS_STRATEGY"
 """Run:ai's own variable for the same choice. When the operator sets it, it wins (see ``_apply_fs_strategy``)."""
 
+
 def storage_environment(settings: Settings) -> dict[str, str]:
     """Our storage retry and timeout settings as the variables Run:ai's S3 reader reads.
 

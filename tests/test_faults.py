@@ -183,3 +183,24 @@ def test_an_object_overwritten_mid_load_fails_naming_the_key_never_mixing(cloud_
     result = finish(d.start_rank(uri, 0, 1, new, None))
     assert result["bad"] == [] and sorted(result["got"]) == _names(new)
     _clean_after(d)
+
+
+def test_in_process_loads_check_object_versions_too(sample, tmp_path):
+    """The embedded engine (no daemon) runs the same check: a local shard rewritten mid-load."""
+    from streamer_client.errors import ObjectChangedError
+    from streamer_service.embedded import stream
+    from streamer_service.settings import Settings
+
+    src, new = tmp_path / "ckpt", tmp_path / "new"
+    subprocess.run(["cp", "-r", str(sample), str(src)], check=True)
+    build_sample(new, size_mb=12, seed=1)
+    shard = "model-00002-of-00002.safetensors"
+    settings = Settings(shm_budget="2MiB", slot_size="1MiB")
+    got = []
+    with pytest.raises(ObjectChangedError) as info:
+        for name, _ in stream(str(src), settings):
+            if not got:
+                (src / shard).write_bytes((new / shard).read_bytes())  # same size, other bytes
+            got.append(name)
+    assert info.value.key == shard and f"{src / shard} changed while it was being loaded" in str(info.value)
+    assert 0 < len(got) < len(_names(sample))
