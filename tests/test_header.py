@@ -582,6 +582,7 @@ def test_fuzz_headers_and_selections_10k(case: tuple[bytes, int], data) -> None:
 
 
 @pytest.mark.soak
+@pytest.mark.timeout(3600)
 @settings(max_examples=100_000, deadline=None, suppress_health_check=list(HealthCheck))
 @given(mutated_files(), st.data())
 def test_fuzz_headers_and_selections_100k(case: tuple[bytes, int], data) -> None:

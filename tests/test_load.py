@@ -106,10 +106,12 @@ def _run_rounds(tmp_path: Path, rounds: int) -> None:
         d.stop()
 
 
+@pytest.mark.timeout(900)  # 24 rank processes start torch: minutes on a loaded 2-core machine
 def test_eight_ranks_three_sessions_three_rounds(tmp_path):
     _run_rounds(tmp_path, rounds=3)
 
 
 @pytest.mark.soak
+@pytest.mark.timeout(3600)
 def test_eight_ranks_three_sessions_twenty_rounds(tmp_path):
     _run_rounds(tmp_path, rounds=20)
