@@ -20,7 +20,7 @@ from streamer_service.api import MAX_BODY_BYTES, MAX_LIST
 from streamer_service.demo import build_sample
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def sample(tmp_path_factory) -> Path:
     src = tmp_path_factory.mktemp("sample") / "ckpt"
     build_sample(src, size_mb=2)

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def sample(tmp_path_factory) -> Path:
     src = tmp_path_factory.mktemp("sample") / "ckpt"
     build_sample(src, size_mb=12)

@@ -22,7 +22,7 @@ from harness.faults import denied_fault
 from streamer_service.demo import build_sample
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def sample(tmp_path_factory) -> Path:
     src = tmp_path_factory.mktemp("sample") / "ckpt"
     build_sample(src, size_mb=2)
