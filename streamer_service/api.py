@@ -38,6 +38,8 @@ log = logging.getLogger(__name__)
 
 MAX_LIST = 100_000  # selection entries / releases in one request
 MAX_WAIT_S = 10.0
+# Refused before anything is parsed: 100k selection entries of ~100-byte names fit in 16 MiB.
+MAX_BODY_BYTES = 16 * 1024 * 1024
 
 _STATUS = [
     (errors.SelectionError, 400),
@@ -52,6 +54,32 @@ _STATUS = [
     (errors.CacheLockTimeoutError, 504),
     (errors.StorageError, 502),
 ]
+
+
+class _BodyLimit:
+    """ASGI middleware: a body larger than ``limit`` (by its Content-Length) is refused with 413
+    before it is read; a body without a Content-Length (chunked) is refused with 411. pydantic's
+    limits on list and string lengths apply only after the whole body was read and parsed."""
+
+    def __init__(self, app, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] in ("POST", "PUT", "PATCH"):
+            headers = dict(scope["headers"])
+            length = headers.get(b"content-length")
+            problem = None
+            if length is None:
+                if b"chunked" in headers.get(b"transfer-encoding", b""):
+                    problem = (411, "a request body needs a Content-Length")
+            elif not length.isdigit() or int(length) > self.limit:
+                problem = (413, f"request body of {length.decode('latin-1')!s} bytes is over the limit of {self.limit} bytes")
+            if problem is not None:
+                body = {"error": {"type": "ConfigError", "message": problem[1], "uri": None, "key": None}}
+                await JSONResponse(body, status_code=problem[0])(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class _Model(BaseModel):
@@ -95,6 +123,7 @@ def create_app(settings: Settings) -> FastAPI:
             daemon.stop()
 
     app = FastAPI(title="streamer-service", version="0.1.0", lifespan=lifespan)
+    app.add_middleware(_BodyLimit, limit=MAX_BODY_BYTES)
 
     token = settings.token.get_secret_value().encode() if settings.token else None
 

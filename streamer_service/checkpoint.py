@@ -16,7 +16,7 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from streamer_client.errors import CheckpointError, ObjectChangedError, ObjectNotFoundError
+from streamer_client.errors import CheckpointError
 
 from .catalog import Catalog, build_catalog
 from .metadata import MetadataCache
@@ -24,7 +24,7 @@ from .settings import Settings
 from .storage import open_storage
 from .uri import StorageURI, parse_uri
 
-__all__ = ["Checkpoint", "check_unchanged", "open_checkpoint"]
+__all__ = ["Checkpoint", "open_checkpoint"]
 
 log = logging.getLogger(__name__)
 
@@ -57,33 +57,6 @@ def open_checkpoint(
         log.info("catalog of %s: %d tensors, %d bytes in %d files", uri, len(catalog), catalog.total_bytes, len(catalog.files))
     generation = f"{fingerprint}:{marker.launch_id}:{marker.pulled_at}"
     return Checkpoint(uri=uri, metadata_dir=metadata_dir, catalog=catalog, generation=generation)
-
-
-def check_unchanged(checkpoint: Checkpoint, settings: Settings) -> None:
-    """List the storage again; raise if a shard or the index differs from what the catalog read.
-
-    One listing request, no object bytes: how a load served from memory proves its copy is
-    still the checkpoint in storage.
-    """
-    catalog = checkpoint.catalog
-    expected = [*catalog.files, *([catalog.index] if catalog.index is not None else [])]
-    with open_storage(checkpoint.uri, settings) as storage:
-        current = {o.name: o for o in storage.list_objects()}
-    for obj in expected:
-        now = current.get(obj.name)
-        where = checkpoint.uri.child(obj.name)
-        if now is None:
-            raise ObjectNotFoundError(
-                f"{where} is gone since the metadata of {checkpoint.uri} was pulled", uri=checkpoint.uri.normalized, key=obj.name
-            )
-        if (now.size, now.etag) != (obj.size, obj.etag):
-            raise ObjectChangedError(
-                f"{where} changed since the metadata of {checkpoint.uri} was pulled "
-                f"(ETag {obj.etag!r}, {obj.size} bytes -> ETag {now.etag!r}, {now.size} bytes); "
-                "pull it again: TRTLLM_OBJECT_STORAGE_FORCE_PULL=1 or `streamer-service pull --force`",
-                uri=checkpoint.uri.normalized,
-                key=obj.name,
-            )
 
 
 def _load_cached(path: Path, fingerprint: str) -> Catalog | None:

@@ -14,15 +14,17 @@ from pathlib import Path
 
 from streamer_client.errors import SessionError, StorageAccessDeniedError
 
-from .checkpoint import check_unchanged, open_checkpoint
+from .checkpoint import open_checkpoint
 from .metadata import MetadataCache
 from .metrics import Metrics
+from .plan import select as select_tensors
 from .resident import ResidentStore
-from .runai import check_credentials
+from .runai import check_credentials, storage_environment
 from .session import RankStatus, Session, SessionState
 from .settings import Settings
 from .shm import SegmentPool, SegmentStore, ShmBudget, sweep_stale_segments
 from .uri import StorageURI, parse_uri
+from .versions import ObjectVersions
 
 __all__ = ["Daemon"]
 
@@ -136,6 +138,10 @@ class Daemon:
         with opening:
             checkpoint = open_checkpoint(parsed, self.settings, force=force, launch_id=launch_id)
         check_credentials(parsed, self.settings)
+        # Refused before a session exists: a refused first join must not leave an empty session behind.
+        if not 0 <= rank < world_size:
+            raise SessionError(f"rank {rank} is outside world_size {world_size}", uri=parsed.normalized)
+        select_tensors(checkpoint.catalog.tensors, select, priority)
         deadline = time.monotonic() + self.settings.rank_timeout_s + 4 * _REAP_INTERVAL_S
         while True:
             with self._lock:
@@ -188,8 +194,9 @@ class Daemon:
             join_timeout_s=self.settings.join_timeout_s,
             on_end=self._ended,
             resident=self.resident,
-            check_unchanged=lambda cp: check_unchanged(cp, self.settings),
             rejoin=rejoin,
+            storage_environment=storage_environment(self.settings),
+            versions=ObjectVersions.of(checkpoint, self.settings),
         )
 
     def session(self, session_id: str) -> Session:

@@ -12,6 +12,7 @@ from .checkpoint import open_checkpoint
 from .engine import EmbeddedEngine, EngineConfig
 from .runai import check_credentials
 from .settings import Settings
+from .versions import ObjectVersions
 
 __all__ = ["stream"]
 
@@ -34,7 +35,8 @@ def stream(
     """
     checkpoint = open_checkpoint(uri, settings, launch_id=launch_id)
     check_credentials(checkpoint.uri, settings)
-    engine = EmbeddedEngine(checkpoint.uri, checkpoint.catalog, EngineConfig.from_settings(settings))
+    versions = ObjectVersions.of(checkpoint, settings)
+    engine = EmbeddedEngine(checkpoint.uri, checkpoint.catalog, EngineConfig.from_settings(settings), versions=versions)
     plan = engine.plan(list(select) if select is not None else None, list(priority) if priority else None)
     tensors = engine.stream(plan, device=device, borrowed=borrowed)
     if progress == "off":

@@ -67,9 +67,10 @@ from .header import TensorInfo
 from .plan import DEFAULT_ALIGN, Batch, BatchKind, Placement, Plan, build_plan
 from .plan import select as select_tensors
 from .pipeline import Load, LoadStats, Pipeline
-from .runai import NativeReader, S3Credentials
+from .runai import NativeReader, S3Credentials, storage_environment
 from .settings import Settings
 from .uri import StorageURI
+from .versions import ObjectVersions
 
 __all__ = [
     "BUFFERED_FS_STRATEGY",
@@ -101,6 +102,7 @@ class EngineConfig:
     align: int = DEFAULT_ALIGN
     fs_strategy: str | None = BUFFERED_FS_STRATEGY
     s3_credentials: S3Credentials | None = None
+    storage_environment: tuple[tuple[str, str], ...] = ()  # Run:ai's retry/timeout variables
 
     def __post_init__(self) -> None:
         if not isinstance(self.budget, int) or self.budget <= 0:
@@ -117,7 +119,11 @@ class EngineConfig:
     def from_settings(cls, settings: Settings) -> EngineConfig:
         """The settings' budget and slot size; a slot larger than the budget shrinks to it."""
         budget = int(settings.shm_budget)
-        return cls(budget=budget, slot_size=min(int(settings.slot_size), budget))
+        return cls(
+            budget=budget,
+            slot_size=min(int(settings.slot_size), budget),
+            storage_environment=tuple(storage_environment(settings).items()),
+        )
 
 
 @dataclass
@@ -145,7 +151,8 @@ class EmbeddedEngine:
 
     Each :meth:`stream` has its own ring and reader and may use the whole budget: run one at a
     time to stay within it. ``reader_factory`` builds the Run:ai reader (keyword arguments
-    ``s3_credentials`` and ``fs_strategy``); tests may replace it.
+    ``s3_credentials``, ``fs_strategy`` and ``environment``); tests may replace it. ``versions``
+    checks each loaded batch's objects against the catalog's versions before delivery.
     """
 
     def __init__(
@@ -155,10 +162,12 @@ class EmbeddedEngine:
         config: EngineConfig,
         *,
         reader_factory: ReaderFactory = NativeReader,
+        versions: ObjectVersions | None = None,
     ) -> None:
         self.uri = uri
         self.catalog = catalog
         self.config = config
+        self._versions = versions
         self.stats = EngineStats()
         self._reader_factory = reader_factory
 
@@ -197,13 +206,16 @@ class EmbeddedEngine:
                 raise CheckpointError(f"tensor {tensor.name!r}: {exc}", key=tensor.name) from None
 
     def _run(self, plan: Plan, device: torch.device, borrowed: bool) -> Iterator[tuple[str, torch.Tensor]]:
-        stream = _Stream(self.uri, plan, self._ring_for(plan), self.stats, device, borrowed)
+        verify = self._versions.check if self._versions is not None else None
+        stream = _Stream(self.uri, plan, self._ring_for(plan), self.stats, device, borrowed, verify)
         try:
             with self._open_reader() as reader:
                 yield from stream.run(reader)
         finally:
             # After runai_end: only now is no read in flight into any of these buffers.
             stream.close()
+            if self._versions is not None:
+                self._versions.close()
 
     def _ring_for(self, plan: Plan) -> _Ring:
         slot_batches = sum(b.kind is BatchKind.SLOT and b.buffer_bytes > 0 for b in plan.batches)
@@ -214,7 +226,11 @@ class EmbeddedEngine:
     def _open_reader(self) -> NativeReader:
         # The filesystem strategy means nothing to object storage; leave Run:ai's state untouched there.
         fs_strategy = self.config.fs_strategy if self.uri.is_local else None
-        return self._reader_factory(s3_credentials=self.config.s3_credentials, fs_strategy=fs_strategy)
+        return self._reader_factory(
+            s3_credentials=self.config.s3_credentials,
+            fs_strategy=fs_strategy,
+            environment=dict(self.config.storage_environment),
+        )
 
     def __repr__(self) -> str:
         return f"EmbeddedEngine({self.uri.normalized!r}, {self.config}, {self.stats})"
@@ -312,8 +328,10 @@ class _Stream:
         stats: EngineStats,
         device: torch.device,
         borrowed: bool,
+        verify: Callable[[Batch], None] | None = None,
     ) -> None:
         self._uri = uri
+        self._verify = verify
         self._ring = ring
         self._stats = stats
         self._device = device
@@ -324,7 +342,7 @@ class _Stream:
         self._copier = PinnedCopier(device) if device.type == "cuda" else None
 
     def run(self, reader: NativeReader) -> Iterator[tuple[str, torch.Tensor]]:
-        pipeline = Pipeline(self._uri, self._plan, reader, self._acquire, self._stats)
+        pipeline = Pipeline(self._uri, self._plan, reader, self._acquire, self._stats, self._verify)
         for load in pipeline.loaded(self._wait_for_buffer):
             yield from self._deliver(load)
             if load.token is not None and self._copier is None:  # device copies release their own

@@ -8,6 +8,9 @@ shared-memory segments, released when every rank is done with them):
 - wait for the head batch's ranges; a failed range fails the load, naming the
   file, the byte range and the tensors it held, and no tensor of that batch
   is delivered;
+- confirm that the objects the batch was read from are still the version the
+  plan was made from (``verify``, see ``versions``): otherwise the load fails
+  with ``ObjectChangedError`` and nothing of that batch is delivered;
 - hand the loaded batch over; when nothing is in flight and no buffer is free,
   ask the caller to wait for a release.
 """
@@ -84,8 +87,10 @@ class Pipeline:
         reader: NativeReader,
         acquire: AcquireBuffer,
         stats: LoadStats,
+        verify: Callable[[Batch], None] | None = None,
     ) -> None:
         self._uri = uri
+        self._verify = verify
         self._reader = reader
         self._acquire = acquire
         self._stats = stats
@@ -104,6 +109,8 @@ class Pipeline:
             self._wait_for(load)
             if load.failed is not None:
                 raise self._failure(load)
+            if self._verify is not None and load.batch.ranges:
+                self._verify(load.batch)
             yield load
 
     def _fill(self) -> None:

@@ -40,8 +40,10 @@ import importlib
 import importlib.metadata
 import inspect
 import logging
+import math
 import os
-from collections.abc import Iterator, Sequence
+import threading
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -68,6 +70,7 @@ __all__ = [
     "ResponseCode",
     "S3Credentials",
     "installed_versions",
+    "storage_environment",
 ]
 
 log = logging.getLogger(__name__)
@@ -106,6 +109,62 @@ process-wide changes and nothing needs restoring."""
 
 FS_STRATEGY_ENV = "RUNAI_STREAMER_FS_STRATEGY"
 """Run:ai's own variable for the same choice. When the operator sets it, it wins (see ``_apply_fs_strategy``)."""
+
+
+def storage_environment(settings: Settings) -> dict[str, str]:
+    """Our storage retry and timeout settings as the variables Run:ai's S3 reader reads.
+
+    Run:ai owns the tensor reads, and its native S3 client reads these only from the process
+    environment (docs/configuration.md, "Retries and timeouts"):
+
+    - ``RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS`` <- ``storage_read_timeout_s``: a transfer that moves
+      (almost) nothing for this long is aborted and retried. Run:ai's own default, 1000 ms, fails
+      large reads from slow servers.
+    - ``RUNAI_STREAMER_S3_MAX_RETRIES`` <- ``storage_retries``: retries of one ranged GET inside
+      the AWS CRT (0 cannot be expressed: the CRT reads 0 as "its default", so it is left unset).
+    - ``RUNAI_STREAMER_S3_TIMEOUT`` <- ``storage_retry_deadline_s``: Run:ai's own retries of a failed
+      chunk (5xx, 408, 429, transport errors) stop once this many seconds passed since its first try.
+    """
+    env = {
+        "RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS": str(max(1, round(settings.storage_read_timeout_s * 1000))),
+        "RUNAI_STREAMER_S3_TIMEOUT": str(max(1, math.ceil(settings.storage_retry_deadline_s))),
+    }
+    if settings.storage_retries > 0:
+        env["RUNAI_STREAMER_S3_MAX_RETRIES"] = str(settings.storage_retries)
+    return env
+
+
+class _ProcessEnvironment:
+    """Run:ai's variables in ``os.environ`` while at least one reader is open, then restored.
+
+    The native S3 client reads its settings from the environment when it is created, so this is
+    the one boundary where we write ``os.environ`` (STYLE.md). A variable the operator set wins and
+    is left alone. Readers of one process (the daemon's sessions) share one refcount.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._users = 0
+        self._added: list[str] = []
+
+    def enter(self, variables: Mapping[str, str]) -> None:
+        with self._lock:
+            self._users += 1
+            for name, value in variables.items():
+                if name not in os.environ:
+                    os.environ[name] = value
+                    self._added.append(name)
+
+    def leave(self) -> None:
+        with self._lock:
+            self._users -= 1
+            if self._users == 0:
+                for name in self._added:
+                    os.environ.pop(name, None)
+                self._added.clear()
+
+
+_ENVIRONMENT = _ProcessEnvironment()
 
 # runai_response blocks in native code, where Ctrl-C cannot reach it. Polling with a timeout returns
 # to Python between waits so signals are handled; a poll that times out costs nothing.
@@ -272,9 +331,16 @@ class NativeReader:
     operator's ``RUNAI_STREAMER_FS_STRATEGY`` takes precedence over it.
     """
 
-    def __init__(self, *, s3_credentials: S3Credentials | None = None, fs_strategy: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        s3_credentials: S3Credentials | None = None,
+        fs_strategy: str | None = None,
+        environment: Mapping[str, str] | None = None,
+    ) -> None:
         self._credentials = s3_credentials
         self._fs_strategy = fs_strategy
+        self._environment = dict(environment or {})  # see storage_environment()
         self._native: ModuleType | None = None
         self._streamer: Any = None
         self._live: dict[int, _Submission] = {}
@@ -295,7 +361,12 @@ class NativeReader:
         if self._streamer is not None:
             raise RuntimeError("NativeReader already started")
         native = _load_native()
-        streamer = _call_native(native.runai_start)
+        _ENVIRONMENT.enter(self._environment)
+        try:
+            streamer = _call_native(native.runai_start)
+        except BaseException:
+            _ENVIRONMENT.leave()
+            raise
         try:
             if self._credentials is not None:
                 _call_native(native.runai_set_credentials, streamer, _to_runai_credentials(self._credentials))
@@ -303,6 +374,7 @@ class NativeReader:
                 _apply_fs_strategy(native, streamer, self._fs_strategy)
         except BaseException:
             native.runai_end(streamer)
+            _ENVIRONMENT.leave()
             raise
         self._native, self._streamer = native, streamer
 
@@ -317,6 +389,7 @@ class NativeReader:
             # Only now, after runai_end has returned, may the destination memory go.
             self._live.clear()
             self._retained.clear()
+            _ENVIRONMENT.leave()
 
     # ------------------------------------------------------------------ requests
 

@@ -24,7 +24,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from streamer_client.errors import ObjectChangedError, ObjectNotFoundError, SessionError, StreamerError
@@ -37,6 +37,7 @@ from .plan import Batch, BatchKind, Plan, build_plan, select
 from .resident import ResidentCopy, ResidentStore
 from .runai import NativeReader
 from .shm import Reservation, Segment, SegmentPool
+from .versions import ObjectVersions
 
 __all__ = ["Handle", "Session", "SessionState", "RankState"]
 
@@ -119,8 +120,9 @@ class Session:
         join_timeout_s: float,
         on_end: Callable[["Session"], None],
         resident: ResidentStore | None = None,
-        check_unchanged: Callable[[Checkpoint], None] | None = None,
         rejoin: tuple[str, int] | None = None,
+        storage_environment: Mapping[str, str] | None = None,
+        versions: ObjectVersions | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.id = uuid.uuid4().hex
@@ -138,13 +140,14 @@ class Session:
         self._slot_size = slot_size
         self._pool = pool
         self._resident = resident if resident is not None and resident.enabled else None
-        self._check_unchanged = check_unchanged
         self._copy: ResidentCopy | None = None
         self._claimed = 0  # resident bytes claimed for this session's own segments
         self._kept = 0  # of which filled and handed to the resident copy
         self._join_deadline = clock() + join_timeout_s
         self._join_timeout_s = join_timeout_s
         self._on_end = on_end
+        self._storage_environment = storage_environment  # Run:ai's retry/timeout variables
+        self._versions = versions  # checks each loaded batch's objects before publishing it
         self._clock = clock
         self._cond = threading.Condition()
         self._priority: set[str] = set()
@@ -231,9 +234,10 @@ class Session:
             missing = self._serve_resident(wanted)
             plan = self._plan(missing)
             if plan.batches:
-                local = self.checkpoint.uri.is_local
-                with NativeReader(fs_strategy=BUFFERED_FS_STRATEGY if local else None) as reader:
-                    pipeline = Pipeline(self.checkpoint.uri, plan, reader, self._acquire, self.stats)
+                fs_strategy = BUFFERED_FS_STRATEGY if self.checkpoint.uri.is_local else None
+                with NativeReader(fs_strategy=fs_strategy, environment=self._storage_environment) as reader:
+                    verify = self._versions.check if self._versions is not None else None
+                    pipeline = Pipeline(self.checkpoint.uri, plan, reader, self._acquire, self.stats, verify)
                     for load in pipeline.loaded(self._wait_for_release):
                         self._publish(load)
             with self._cond:
@@ -262,6 +266,8 @@ class Session:
             with self._cond:
                 self._fail(StreamerError(f"daemon error while streaming {self.checkpoint.uri}: {exc!r}"))
         finally:
+            if self._versions is not None:
+                self._versions.close()
             self._release_segments()
             self._on_end(self)
 
@@ -271,8 +277,8 @@ class Session:
             return wanted
         self._copy = copy = self._resident.pin(self.checkpoint.uri.normalized, self.checkpoint.generation)
         hits = [t for t in wanted if t.nbytes and copy.get(t.name) is not None]
-        if hits and self._check_unchanged is not None:
-            self._check_unchanged(self.checkpoint)  # one listing: the copy is still what storage holds
+        if hits and self._versions is not None:
+            self._versions.check_all()  # one listing: the copy is still what storage holds
         # One batch per resident segment, numbered after the plan's (which are 0..n-1).
         by_segment: dict[str, list[TensorInfo]] = {}
         for t in hits:

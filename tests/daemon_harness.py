@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -25,26 +26,38 @@ RANK_SCRIPT = textwrap.dedent(
     index = json.load(open(truth_dir + "/model.safetensors.index.json"))["weight_map"]
     files = {}
     got, bad = [], []
-    for name, t in streamer_client.stream(uri, select=select, rank=rank, world_size=world):
-        if len(got) == stall_after:
-            print("stalled", flush=True, file=sys.stderr)
-            time.sleep(3600)
-        time.sleep(slow_s)
-        shard = index[name]
-        if shard not in files:
-            files[shard] = safe_open(truth_dir + "/" + shard, "pt")
-        want = files[shard].get_tensor(name)
-        if not (want.dtype == t.dtype and want.shape == t.shape and torch.equal(want, t)):
-            bad.append(name)
-        got.append(name)
-        print("got", name, flush=True, file=sys.stderr)
+    try:
+        for name, t in streamer_client.stream(uri, select=select, rank=rank, world_size=world):
+            if len(got) == stall_after:
+                print("stalled", flush=True, file=sys.stderr)
+                time.sleep(3600)
+            time.sleep(slow_s)
+            shard = index[name]
+            if shard not in files:
+                files[shard] = safe_open(truth_dir + "/" + shard, "pt")
+            want = files[shard].get_tensor(name)
+            if not (want.dtype == t.dtype and want.shape == t.shape and torch.equal(want, t)):
+                bad.append(name)
+            got.append(name)
+            print("got", name, flush=True, file=sys.stderr)
+    except streamer_client.errors.StreamerError as exc:  # what was delivered before it, and the error
+        error = {"type": type(exc).__name__, "message": str(exc), "uri": exc.uri, "key": exc.key}
+        print(json.dumps({"rank": rank, "got": got, "bad": bad, "error": error}))
+        sys.exit(3)
     print(json.dumps({"rank": rank, "got": got, "bad": bad}))
     """
 )
 
 
 class DaemonProcess:
-    def __init__(self, root: Path, env: dict[str, str], *extra: str) -> None:
+    """``streamer-service serve`` on a socket under ``root``, segments in ``root/shm``.
+
+    ``tmpfs`` ({dir: size}) runs the daemon in a private mount namespace (``unshare -m``, root
+    only) where each dir is a tmpfs of that size: a full disk or shm filesystem without touching
+    the machine. Ranks then join that namespace (``nsenter``); :meth:`view` reads its files.
+    """
+
+    def __init__(self, root: Path, env: dict[str, str], *extra: str, tmpfs: dict[Path, str] | None = None) -> None:
         self.socket = root / "daemon.sock"
         self.shm_dir = root / "shm"
         self.shm_dir.mkdir(exist_ok=True)
@@ -53,10 +66,14 @@ class DaemonProcess:
         # test_segments_are_reused_across_sessions turns the pool on.
         self.env = {**os.environ, "STREAMER_SEGMENT_IDLE_S": "0", **env, "STREAMER_SHM_DIR": str(self.shm_dir)}
         self.extra = extra
+        self.tmpfs = dict(tmpfs or {})
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "DaemonProcess":
         cmd = [sys.executable, "-m", "streamer_service", "serve", "--socket", str(self.socket), *self.extra]
+        if self.tmpfs:
+            mounts = " && ".join(f"mount -t tmpfs -o size={size} tmpfs {shlex.quote(str(d))}" for d, size in self.tmpfs.items())
+            cmd = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", f'{mounts} && exec "$@"', "sh", *cmd]
         self.proc = subprocess.Popen(cmd, env=self.env, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -90,12 +107,21 @@ class DaemonProcess:
                 self.proc.kill()
                 self.proc.wait()
 
+    def view(self, path: Path) -> Path:
+        """``path`` as the daemon sees it (through its mount namespace while it runs)."""
+        if not self.tmpfs:
+            return path
+        return Path(f"/proc/{self.proc.pid}/root") / Path(path).relative_to("/")
+
+    def _prefix(self) -> list[str]:
+        return ["nsenter", "-t", str(self.proc.pid), "-m", "--"] if self.tmpfs else []
+
     def rank_env(self, **extra: str) -> dict[str, str]:
         return {**self.env, "STREAMER_SOCKET": str(self.socket), **extra}
 
     def start_rank(self, uri: str, rank: int, world: int, truth_dir: Path, select, **env: str) -> subprocess.Popen:
         return subprocess.Popen(
-            [sys.executable, "-c", RANK_SCRIPT, uri, str(rank), str(world), str(truth_dir), json.dumps(select)],
+            [*self._prefix(), sys.executable, "-c", RANK_SCRIPT, uri, str(rank), str(world), str(truth_dir), json.dumps(select)],
             env=self.rank_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
 
@@ -103,8 +129,29 @@ class DaemonProcess:
 def finish(proc: subprocess.Popen, timeout: float = 300) -> dict:
     out, err = proc.communicate(timeout=timeout)
     if proc.returncode != 0:
-        raise AssertionError(f"rank exited {proc.returncode}: {err[-3000:]}")
+        raise AssertionError(f"rank exited {proc.returncode}: {out[-1000:]} {err[-3000:]}")
     return json.loads(out.strip().splitlines()[-1])
+
+
+def finish_failed(proc: subprocess.Popen, timeout: float = 300) -> dict:
+    """The result of a rank whose load failed with a StreamerError: ``got``, ``bad`` and ``error``."""
+    out, err = proc.communicate(timeout=timeout)
+    if proc.returncode != 3:
+        raise AssertionError(f"rank exited {proc.returncode}, not with a StreamerError: {out[-1000:]} {err[-3000:]}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def leftovers(d: "DaemonProcess", cache_dir: Path, timeout: float = 10) -> tuple[list[str], list[str]]:
+    """What a scenario left behind once the daemon settled: (shm files, half-filled cache dirs)."""
+    shm_dir, cache_dir = d.view(d.shm_dir), d.view(cache_dir)
+    deadline = time.monotonic() + timeout
+    while list(shm_dir.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    shm = sorted(p.name for p in shm_dir.iterdir())
+    half = sorted(p.name for p in cache_dir.glob(".*") if p.name.startswith((".tmp-", ".old-"))) if cache_dir.exists() else []
+    if cache_dir.exists():
+        half += sorted(p.name for p in cache_dir.iterdir() if p.is_dir() and not (p / ".runai_complete").exists() and not p.name.startswith("."))
+    return shm, half
 
 
 class ShmSampler:

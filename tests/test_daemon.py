@@ -196,6 +196,11 @@ def test_daemon_killed_mid_load_clients_fail_fast_and_restart_sweeps(sample, dae
     assert list(d.shm_dir.iterdir())
     d2 = daemon()
     assert list(d2.shm_dir.iterdir()) == []
+    # The restarted daemon serves the same load whole, and leaves nothing behind.
+    names = [t.name for t in _catalog(sample).tensors]
+    result = finish(d2.start_rank(str(sample), 0, 1, sample, names))
+    assert result["bad"] == [] and result["got"] == names
+    assert list(d2.shm_dir.iterdir()) == [] and d2.healthy()
 
 
 def test_uri_outside_allow_is_refused_and_daemon_stays_up(sample, tmp_path, daemon):

@@ -14,7 +14,7 @@ import pytest
 
 from harness import emulators
 from harness.backends import closed_port_url
-from harness.faults import denied_fault, first_n, unavailable_fault
+from harness.faults import always, denied_fault, every_nth, first_n, unavailable_fault
 from harness.proxy import CountingProxy, Fault
 
 PAYLOAD = os.urandom(256 * 1024) + b"tail"
@@ -355,3 +355,39 @@ def test_missing_emulator_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("STREAMER_TEST_AZURITE_DIR", str(tmp_path / "nowhere"))
     with pytest.raises(emulators.EmulatorMissing, match="scripts/bootstrap"):
         emulators.start_azurite(log_dir=tmp_path)
+
+
+def test_damaged_responses_and_every_nth_ranged_get(echo_proxy):
+    path, ranged = "/" + "a" * 2000, {"Range": "bytes=0-9999"}
+
+    def get(headers, timeout=10):
+        conn = http.client.HTTPConnection("127.0.0.1", echo_proxy.port, timeout=timeout)
+        conn.request("GET", path, headers=headers)
+        return conn.getresponse()
+
+    whole = get(ranged).read()
+    echo_proxy.reset()
+    echo_proxy.fault = always(Fault.truncated())
+    resp = get(ranged)
+    assert resp.status == 200 and resp.getheader("Content-Length") == str(len(whole))
+    with pytest.raises(http.client.IncompleteRead) as info:
+        resp.read()
+    assert info.value.partial == whole[: len(whole) // 2]
+
+    echo_proxy.fault = always(Fault.reset())
+    with pytest.raises(ConnectionResetError):
+        get(ranged).read()
+
+    echo_proxy.fault = always(Fault.stalled(60))
+    resp = get(ranged, timeout=1)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError):
+        resp.read()
+    assert time.monotonic() - started < 5
+    echo_proxy.release_stalls()
+    assert [r.status for r in echo_proxy.requests] == [None, None, None]  # no whole response was sent
+
+    echo_proxy.reset()
+    echo_proxy.fault = every_nth(2, lambda r: Fault(status=503))
+    statuses = [get(ranged).status for _ in range(4)] + [get({}).status]
+    assert statuses == [200, 503, 200, 503, 200]  # a GET without Range is not counted

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon_harness import DaemonProcess, finish
+from daemon_harness import DaemonProcess, finish, finish_failed
 from streamer_service.catalog import build_catalog
 from streamer_service.demo import build_sample, rank_selection
 from streamer_service.resident import ResidentStore
@@ -198,11 +198,12 @@ def test_a_changed_object_drops_the_copy_and_fails_naming_the_key(backend, sampl
     backend.put(f"ckpt/{shard}", (changed / shard).read_bytes())
 
     backend.proxy.reset()
-    rank = d.start_rank(uri, 0, 1, sample, names, STREAMER_LAUNCH_ID="second")
-    out, err = rank.communicate(timeout=120)
-    assert rank.returncode != 0
-    assert "ObjectChangedError" in err and f"{uri}/{shard} changed since the metadata of {uri} was pulled" in err
-    assert "TRTLLM_OBJECT_STORAGE_FORCE_PULL=1" in err
+    failed = finish_failed(d.start_rank(uri, 0, 1, sample, names, STREAMER_LAUNCH_ID="second"))
+    assert failed["got"] == []  # nothing delivered
+    error = failed["error"]
+    assert (error["type"], error["key"], error["uri"]) == ("ObjectChangedError", shard, f"{uri}/{shard}")
+    assert error["message"].startswith(f"{uri}/{shard} changed since the metadata of {uri} was pulled")
+    assert "TRTLLM_OBJECT_STORAGE_FORCE_PULL=1" in error["message"]
     assert _tensor_bytes_served(backend) == 0  # nothing mixed: not one byte of the new object read
     stats = d.stats()
     assert stats["resident_bytes"] == 0 and stats["resident_checkpoints"] == []
@@ -303,11 +304,10 @@ def test_a_second_live_process_with_the_same_rank_is_refused(sample, daemon):
     d = daemon({"STREAMER_RANK_TIMEOUT_S": "5"}, "--shm-budget", "8MiB")
     first = d.start_rank(str(sample), 0, 1, sample, names, STREAMER_LAUNCH_ID="L", RANK_SLOW_S="0.2")
     _wait_for_line(first, "got")
-    second = d.start_rank(str(sample), 0, 1, sample, names, STREAMER_LAUNCH_ID="L")
-    out, err = second.communicate(timeout=120)
-    assert second.returncode != 0
-    assert f"rank 0 is still loading in session 'L:{sample}'" in err
-    assert "two processes cannot be the same rank" in err
+    error = finish_failed(d.start_rank(str(sample), 0, 1, sample, names, STREAMER_LAUNCH_ID="L"))["error"]
+    assert error["type"] == "SessionError"
+    assert error["message"].startswith(f"rank 0 is still loading in session 'L:{sample}'")
+    assert "two processes cannot be the same rank" in error["message"]
     assert first.poll() is None  # unharmed
     first.send_signal(signal.SIGKILL)
     first.wait()

@@ -274,3 +274,20 @@ def test_operator_fs_strategy_wins(monkeypatch, data_file):
         reader.submit([FileReads(str(path), (ReadRange(0, 4096, buf.ctypes.data),))], keepalive=buf)
         (result,) = reader.responses()
     assert result.error is None and buf.tobytes() == data[:4096]
+
+
+def test_storage_settings_reach_runai_only_while_a_reader_is_open(monkeypatch):
+    from streamer_service.settings import Settings
+
+    monkeypatch.setenv("RUNAI_STREAMER_S3_TIMEOUT", "7")  # the operator's own: it wins
+    for name in ("RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS", "RUNAI_STREAMER_S3_MAX_RETRIES"):
+        monkeypatch.delenv(name, raising=False)
+    settings = Settings(storage_read_timeout_s=2.5, storage_retries=0, storage_retry_deadline_s=8.5)
+    env = runai.storage_environment(settings)
+    assert env == {"RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS": "2500", "RUNAI_STREAMER_S3_TIMEOUT": "9"}
+    assert runai.storage_environment(Settings(storage_retries=4))["RUNAI_STREAMER_S3_MAX_RETRIES"] == "4"
+    with NativeReader(environment=env), NativeReader(environment=env):
+        assert os.environ["RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS"] == "2500"
+        assert os.environ["RUNAI_STREAMER_S3_TIMEOUT"] == "7"
+    assert "RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS" not in os.environ  # restored once the last one closed
+    assert os.environ["RUNAI_STREAMER_S3_TIMEOUT"] == "7"

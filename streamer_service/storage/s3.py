@@ -6,8 +6,9 @@ The endpoint comes from boto3's own configuration (``AWS_ENDPOINT_URL``,
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import BinaryIO
+import time
+from collections.abc import Callable, Iterator
+from typing import BinaryIO, TypeVar
 
 import boto3
 import botocore.exceptions as bexc
@@ -21,13 +22,26 @@ from .errors import Failure, storage_error
 _CHUNK = 8 * 1024 * 1024
 _NO_KEY = {"NoSuchKey", "404", "NotFound"}
 _DENIED = {"AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "AllAccessDisabled"}
+_BUSY = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "503", "500"}
 _UNAVAILABLE = (
     bexc.EndpointConnectionError,
     bexc.ConnectTimeoutError,
     bexc.ReadTimeoutError,
     bexc.ConnectionClosedError,
     bexc.ProxyConnectionError,
+    bexc.ResponseStreamingError,
+    bexc.IncompleteReadError,
 )
+# A response body cut short (connection reset, fewer bytes than Content-Length, a read timeout
+# mid-body). botocore retries a request only until its headers arrive; these come later, from
+# reading the body, so _body_retries retries them.
+_BODY_ERRORS = (
+    bexc.ResponseStreamingError,
+    bexc.IncompleteReadError,
+    bexc.ReadTimeoutError,
+    bexc.ConnectionClosedError,
+)
+_T = TypeVar("_T")
 
 
 class S3Storage(Storage):
@@ -41,6 +55,16 @@ class S3Storage(Storage):
         )
         self._client = boto3.session.Session().client("s3", config=config)
         self._bucket = uri.bucket
+        self._retries = settings.storage_retries
+
+    def _body_retries(self, request: Callable[[], _T]) -> _T:
+        """``request()`` (one GET and the read of its body), again after a body error."""
+        for attempt in range(self._retries):
+            try:
+                return request()
+            except _BODY_ERRORS:
+                time.sleep(min(0.05 * 2**attempt, 1.0))
+        return request()
 
     def _error(self, exc: Exception, key: str | None):
         if isinstance(exc, bexc.NoCredentialsError):
@@ -54,6 +78,8 @@ class S3Storage(Storage):
                 kind = Failure.NO_BUCKET
             elif code in _NO_KEY:
                 kind = Failure.NO_KEY
+            elif code in _BUSY or exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) >= 500:
+                kind = Failure.UNAVAILABLE  # still failing after botocore's retries
             elif code in _DENIED:
                 kind = Failure.DENIED
             elif code in {"PreconditionFailed", "412"}:
@@ -83,24 +109,31 @@ class S3Storage(Storage):
 
     def download(self, obj: ObjectInfo, dest: BinaryIO) -> int:
         key = self.uri.key_for(obj.name)
-        written = 0
-        try:
+        start = dest.tell()
+
+        def attempt() -> int:
+            dest.seek(start)
+            dest.truncate()  # a retry starts the file over
+            written = 0
             # If-Match: an object replaced after the listing fails with 412 instead of mixing versions.
             body = self._client.get_object(Bucket=self._bucket, Key=key, IfMatch=f'"{obj.etag}"')["Body"]
             for chunk in body.iter_chunks(_CHUNK):
                 dest.write(chunk)
                 written += len(chunk)
+            return written
+
+        try:
+            return self._body_retries(attempt)
         except (bexc.BotoCoreError, bexc.ClientError) as exc:
             raise self._error(exc, key) from None
-        return written
 
     def read_range(self, name: str, offset: int, length: int) -> bytes:
         if length <= 0:
             return b""
         key = self.uri.key_for(name)
         try:
-            resp = self._client.get_object(Bucket=self._bucket, Key=key, Range=f"bytes={offset}-{offset + length - 1}")
-            return resp["Body"].read()
+            ranged = f"bytes={offset}-{offset + length - 1}"
+            return self._body_retries(lambda: self._client.get_object(Bucket=self._bucket, Key=key, Range=ranged)["Body"].read())
         except bexc.ClientError as exc:
             if exc.response.get("Error", {}).get("Code") == "InvalidRange":
                 return b""

@@ -217,7 +217,6 @@ class S3Service(_Service):
             "AWS_DEFAULT_REGION": "us-east-1",
             "AWS_EC2_METADATA_DISABLED": "true",
             "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0",
-            "RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS": "60000",
         }
 
     def new_backend(self) -> "S3Backend":

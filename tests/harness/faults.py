@@ -1,4 +1,7 @@
-"""Ready-made fault hooks for ``CountingProxy.fault``, with the error bodies each cloud sends."""
+"""Ready-made fault hooks for ``CountingProxy.fault``, with the error bodies each cloud sends.
+
+Compose them: ``every_nth(3, lambda r: cloud_error("s3", 503))`` answers a third of the ranged
+GETs with S3's SlowDown; ``always(Fault.stalled(30))`` stalls every response mid-body."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ from typing import Callable, Optional
 
 from .proxy import Fault, FaultHook, RecordedRequest
 
-__all__ = ["cloud_error", "denied_fault", "unavailable_fault", "first_n"]
+__all__ = ["cloud_error", "denied_fault", "unavailable_fault", "first_n", "every_nth", "always", "range_get"]
 
 _S3_CODES = {403: ("AccessDenied", "Access Denied"), 503: ("SlowDown", "Please reduce your request rate.")}
 _AZ_CODES = {
@@ -49,7 +52,7 @@ def cloud_error(backend: str, status: int, method: str = "GET") -> Fault:
     return Fault(status=status, body=b"" if method == "HEAD" else body, headers=headers)
 
 
-def _always(backend: str, status: int) -> FaultHook:
+def _always_error(backend: str, status: int) -> FaultHook:
     def hook(r: RecordedRequest) -> Optional[Fault]:
         return cloud_error(backend, status, r.method)
 
@@ -58,12 +61,12 @@ def _always(backend: str, status: int) -> FaultHook:
 
 def denied_fault(backend: str) -> FaultHook:
     """Every request answered 403 access denied, in the backend's own error format."""
-    return _always(backend, 403)
+    return _always_error(backend, 403)
 
 
 def unavailable_fault(backend: str) -> FaultHook:
     """Every request answered 503 (S3 SlowDown, GCS backendError, Azure ServerBusy)."""
-    return _always(backend, 503)
+    return _always_error(backend, 503)
 
 
 def first_n(n: int, fault: FaultHook, when: Optional[Callable[[RecordedRequest], bool]] = None) -> FaultHook:
@@ -79,3 +82,29 @@ def first_n(n: int, fault: FaultHook, when: Optional[Callable[[RecordedRequest],
         return fault(r) if i < n else None
 
     return hook
+
+
+def range_get(r: RecordedRequest) -> bool:
+    """A ranged GET: a safetensors header read or a Run:ai tensor read."""
+    return r.method == "GET" and r.range is not None
+
+
+def every_nth(n: int, fault: FaultHook, when: Optional[Callable[[RecordedRequest], bool]] = range_get) -> FaultHook:
+    """Apply ``fault`` to every ``n``-th request matching ``when`` (ranged GETs by default): a
+    deterministic share ``1/n`` of them; the others, and every retry in between, are forwarded."""
+    counter = itertools.count(1)
+    lock = threading.Lock()
+
+    def hook(r: RecordedRequest) -> Optional[Fault]:
+        if when is not None and not when(r):
+            return None
+        with lock:
+            i = next(counter)
+        return fault(r) if i % n == 0 else None
+
+    return hook
+
+
+def always(fault: Fault) -> FaultHook:
+    """``fault`` for every request (wrap in :func:`every_nth` or :func:`first_n` to narrow it)."""
+    return lambda r: fault

@@ -6,13 +6,17 @@ back with a correct ``Content-Length`` (hop-by-hop headers dropped), over HTTP/1
 
 Fault injection: ``proxy.delay_s`` sleeps before each request is handled; ``proxy.fault`` is
 called with each request and may return a :class:`Fault` to answer a status + body instead of
-forwarding, or to drop the connection.
+forwarding, or to drop the connection, or to forward and then damage the response body
+(:class:`Damage`: cut short and closed, reset mid-body, or stalled after the headers and part
+of the body). A stalled response waits until ``stall_s`` passes or the proxy is reset/stopped.
 """
 
 from __future__ import annotations
 
+import enum
 import http.client
 import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -20,7 +24,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Optional
 from urllib.parse import unquote, urlsplit
 
-__all__ = ["RecordedRequest", "Fault", "CountingProxy"]
+__all__ = ["RecordedRequest", "Damage", "Fault", "CountingProxy"]
 
 # Hop-by-hop headers (RFC 9110 §7.6.1) plus the framing headers we recompute.
 _HOP_BY_HOP = frozenset(
@@ -50,18 +54,40 @@ class RecordedRequest:
     status: Optional[int] = None  # status sent back; None when the connection was dropped
 
 
+class Damage(enum.Enum):
+    """What happens to a forwarded response after its headers and the first half of its body."""
+
+    TRUNCATE = "truncate"  # the connection is closed (FIN): fewer bytes than Content-Length
+    RESET = "reset"  # the connection is reset (RST)
+    STALL = "stall"  # nothing more is sent for ``stall_s``; then the connection is closed
+
+
 @dataclass(frozen=True)
 class Fault:
-    """What the proxy does instead of forwarding a request."""
+    """What the proxy does instead of forwarding a request (or to the response it forwards)."""
 
     status: int = 503
     body: bytes = b""
     headers: tuple[tuple[str, str], ...] = ()
     drop: bool = False  # close the connection without any response
+    damage: Optional[Damage] = None  # forward, then damage the response body
+    stall_s: float = 0.0  # Damage.STALL: how long to send nothing
 
     @classmethod
     def drop_connection(cls) -> "Fault":
         return cls(drop=True)
+
+    @classmethod
+    def truncated(cls) -> "Fault":
+        return cls(damage=Damage.TRUNCATE)
+
+    @classmethod
+    def reset(cls) -> "Fault":
+        return cls(damage=Damage.RESET)
+
+    @classmethod
+    def stalled(cls, seconds: float) -> "Fault":
+        return cls(damage=Damage.STALL, stall_s=seconds)
 
 
 FaultHook = Callable[[RecordedRequest], Optional[Fault]]
@@ -136,6 +162,15 @@ class _Handler(BaseHTTPRequestHandler):
             time.sleep(proxy.delay_s)
         hook = proxy.fault
         fault = hook(record) if hook is not None else None
+        if fault is not None and fault.damage is not None:
+            try:
+                status, reason, headers, data, _ = self._forward(body)
+            except (OSError, http.client.HTTPException):
+                self.close_connection = True
+                return
+            proxy._record(replace(record, status=None))  # the client never got a whole response
+            self._respond_damaged(status, reason, headers, data, fault)
+            return
         if fault is not None:
             if fault.drop:
                 proxy._record(record)
@@ -194,6 +229,30 @@ class _Handler(BaseHTTPRequestHandler):
             return resp.status, resp.reason, resp.getheaders(), data, resp.getheader("Content-Length")
         raise AssertionError("unreachable")
 
+    def _respond_damaged(self, status, reason, headers, data: bytes, fault: Fault) -> None:
+        """Headers with the true Content-Length, half the body, then ``fault.damage``."""
+        self.close_connection = True
+        self.send_response_only(status, reason or None)
+        for name, value in headers:
+            if name.lower() not in _HOP_BY_HOP:
+                self.send_header(name, value)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        try:
+            self.wfile.write(data[: len(data) // 2])
+            self.wfile.flush()
+            if fault.damage is Damage.STALL:
+                self.server.proxy._unstall.wait(fault.stall_s)
+            if fault.damage is Damage.RESET:
+                # SO_LINGER with a zero timeout: close() sends RST instead of FIN.
+                # Closed here: the server's own shutdown(SHUT_WR) would send a FIN first.
+                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                self.connection.close()
+            else:
+                self.connection.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
     def _respond(self, status, reason, headers, data: bytes, upstream_length: Optional[str]) -> None:
         self.send_response_only(status, reason or None)
         for name, value in headers:
@@ -250,6 +309,7 @@ class CountingProxy:
         self.timeout_s = timeout_s
         self.delay_s: float = 0.0
         self.fault: Optional[FaultHook] = None
+        self._unstall = threading.Event()  # set: stalled responses stop waiting
         self._records: list[RecordedRequest] = []
         self._lock = threading.Lock()
         self._server = _Server((host, port), self)
@@ -277,6 +337,7 @@ class CountingProxy:
         return self
 
     def stop(self) -> None:
+        self._unstall.set()
         if self._thread is not None:
             self._server.shutdown()
             self._thread.join()
@@ -304,6 +365,11 @@ class CountingProxy:
         """Forget the recorded requests (``delay_s`` and ``fault`` stay as they are)."""
         with self._lock:
             self._records.clear()
+
+    def release_stalls(self) -> None:
+        """End every stalled response now; later stalls wait again."""
+        self._unstall.set()
+        self._unstall = threading.Event()
 
     def count(
         self,

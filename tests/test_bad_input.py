@@ -1,0 +1,163 @@
+"""Bad input to a real daemon: each a clear error naming what was wrong; the daemon stays up.
+
+URIs, selections and API misuse through the HTTP API (the client raises these again, see
+tests/test_client.py). Unit-level coverage lives beside the code: tests/test_uri.py (every URI
+rule), tests/test_plan.py (selection rules), tests/test_header.py (headers),
+tests/test_metadata.py (object keys).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from daemon_harness import DaemonProcess, leftovers
+from streamer_service.api import MAX_BODY_BYTES, MAX_LIST
+from streamer_service.demo import build_sample
+
+
+@pytest.fixture(scope="module")
+def sample(tmp_path_factory) -> Path:
+    src = tmp_path_factory.mktemp("sample") / "ckpt"
+    build_sample(src, size_mb=2)
+    return src
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    d = DaemonProcess(tmp_path, {"STREAMER_JOIN_TIMEOUT_S": "20", "STREAMER_RANK_TIMEOUT_S": "5"}).start()
+    yield d
+    d.stop()
+
+
+def _join(c: httpx.Client, uri: str, **kw) -> httpx.Response:
+    body = {"uri": uri, "session": "s", "rank": 0, "world_size": 1, **kw}
+    return c.post("/v1/sessions/join", json=body, timeout=60)
+
+
+def _error(r: httpx.Response, status: int, kind: str) -> dict:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["type"] == kind, error
+    return error
+
+
+def _still_fine(d: DaemonProcess, cache_dir: Path) -> None:
+    assert leftovers(d, cache_dir) == ([], [])
+    assert d.healthy()
+
+
+BAD_URIS = {
+    "hdfs://namenode/models/x": "unsupported URI scheme 'hdfs://'",
+    "s3:///models/x": "names no bucket",
+    "s3://bucket/models/x?versionId=3": "has a query or fragment",
+    "s3://bucket/models/x#junk": "has a query or fragment",
+    "s3://bücket/models/x": "invalid bucket or container name 'bücket'",
+    "gs://bucket/models/../../etc": "'..' path segments",
+    "": "empty",
+}
+
+
+def test_bad_uris_are_refused_naming_the_uri(daemon, tmp_path):
+    with daemon.client() as c:
+        for uri, message in BAD_URIS.items():
+            for r in (_join(c, uri), c.post("/v1/metadata", json={"uri": uri})):
+                error = _error(r, 400, "InvalidURIError")
+                assert message in error["message"]
+                if uri:
+                    assert repr(uri) in error["message"] or uri in error["message"]
+    _still_fine(daemon, tmp_path / "cache")
+
+
+def test_bad_selections_are_refused_naming_the_entry(sample, daemon, tmp_path):
+    uri = str(sample)
+    with daemon.client() as c:
+        error = _error(_join(c, uri, select=["model.layers.0.no_such_tensor"]), 400, "SelectionError")
+        assert "'model.layers.0.no_such_tensor' matches no tensor" in error["message"]
+        assert error["key"] == "model.layers.0.no_such_tensor"
+        assert "selection is empty" in _error(_join(c, uri, select=[]), 400, "SelectionError")["message"]
+        dup = ["model.embed_tokens.weight"] * 2
+        assert "given twice" in _error(_join(c, uri, select=dup), 400, "SelectionError")["message"]
+        overlap = ["model.layers.0.", "model.layers.0.input_layernorm.weight"]
+        assert "overlap" in _error(_join(c, uri, select=overlap), 400, "SelectionError")["message"]
+        assert "not a non-empty string" in _error(_join(c, uri, select=[""]), 400, "SelectionError")["message"]
+        # A huge list within the limit is answered at once, naming the first bad entry only.
+        huge = [f"model.layers.{i}.nothing" for i in range(MAX_LIST)]
+        error = _error(_join(c, uri, select=huge), 400, "SelectionError")
+        assert "'model.layers.0.nothing'" in error["message"] and len(error["message"]) < 300
+        # One entry more than the limit is refused before the checkpoint is even opened.
+        error = _error(_join(c, "s3://never-read/x", select=huge + ["x"]), 422, "ConfigError")
+        assert "select" in error["message"] and f"at most {MAX_LIST} items" in error["message"]
+        # A wrong type in the list.
+        assert "select" in _error(_join(c, uri, select=[1, 2]), 422, "ConfigError")["message"]
+    metrics = daemon.stats()
+    assert metrics["sessions"] == [] and metrics["bytes_read"] == 0  # nothing was streamed
+    _still_fine(daemon, tmp_path / "cache")
+
+
+def test_api_misuse_is_a_clear_error(sample, daemon, tmp_path):
+    uri = str(sample)
+    with daemon.client() as c:
+        # Malformed JSON and wrong shapes: 422 ConfigError naming the field.
+        r = c.post("/v1/sessions/join", content=b'{"uri": ', headers={"content-type": "application/json"})
+        assert "invalid request" in _error(r, 422, "ConfigError")["message"]
+        assert "rank" in _error(_join(c, uri, rank=-1), 422, "ConfigError")["message"]
+        assert "world_size" in _error(_join(c, uri, world_size=0), 422, "ConfigError")["message"]
+        assert "world_size" in _error(_join(c, uri, world_size="two"), 422, "ConfigError")["message"]
+        assert "body.bogus: Extra inputs are not permitted" in _error(_join(c, uri, bogus=1), 422, "ConfigError")["message"]
+        r = c.post("/v1/sessions/join", json={"session": "s", "rank": 0, "world_size": 1})
+        assert "uri" in _error(r, 422, "ConfigError")["message"]
+        r = c.post("/v1/sessions/join", json=[1, 2, 3])
+        _error(r, 422, "ConfigError")
+        # A rank outside the world.
+        assert "outside world_size 2" in _error(_join(c, uri, session="w", rank=2, world_size=2), 409, "SessionError")["message"]
+        # Unknown session ids, and a rank that is not part of a session.
+        assert "unknown or finished session 'nope'" in _error(c.post("/v1/sessions/nope/ranks/0/next", json={}), 409, "SessionError")["message"]
+        assert c.post("/v1/sessions/nope/ranks/0/leave").json() == {"left": False}
+        # Oversized bodies are refused before they are read.
+        big = b'{"uri": "' + b"x" * MAX_BODY_BYTES + b'"}'
+        r = c.post("/v1/sessions/join", content=big, headers={"content-type": "application/json"})
+        assert f"over the limit of {MAX_BODY_BYTES} bytes" in _error(r, 413, "ConfigError")["message"]
+
+        def chunks():
+            yield b'{"uri": "x", '
+            yield b'"session": "s", "rank": 0, "world_size": 1}'
+
+        r = c.post("/v1/sessions/join", content=chunks(), headers={"content-type": "application/json"})
+        assert "Content-Length" in _error(r, 411, "ConfigError")["message"]
+
+        # Rank 0 of a two-rank session joins (and waits for rank 1) ...
+        first: dict = {}
+
+        def join_rank0() -> None:
+            with daemon.client() as c0:
+                first["r"] = _join(c0, uri, session="pair", world_size=2)
+
+        waiting = threading.Thread(target=join_rank0)
+        waiting.start()
+        _wait_until(lambda: any(s["key"] == "pair" for s in daemon.stats()["sessions"]))
+        # ... a second rank 0, and a rank with another world_size, are refused; the session goes on.
+        assert "rank 0 already joined session 'pair'" in _error(_join(c, uri, session="pair", world_size=2), 409, "SessionError")["message"]
+        error = _error(_join(c, uri, session="pair", rank=1, world_size=3), 409, "SessionError")
+        assert "world_size 3" in error["message"] and "world_size 2" in error["message"]
+        second = _join(c, uri, session="pair", rank=1, world_size=2)
+        assert second.status_code == 200, second.text
+        waiting.join(timeout=60)
+        assert first["r"].status_code == 200 and first["r"].json()["session_id"] == second.json()["session_id"]
+        # A join after streaming began is refused too; then both ranks abandon the load.
+        assert "joined too late" in _error(_join(c, uri, session="pair", world_size=2), 409, "SessionError")["message"]
+        session_id = second.json()["session_id"]
+        for rank in (0, 1):
+            assert c.post(f"/v1/sessions/{session_id}/ranks/{rank}/leave").json() == {"left": True}
+    _still_fine(daemon, tmp_path / "cache")
+
+
+def _wait_until(predicate, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)

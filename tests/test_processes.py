@@ -1,0 +1,81 @@
+"""Full filesystems under a real daemon: the cache disk and the shm filesystem.
+
+Each runs the daemon in a private mount namespace where the dir is a small tmpfs (root only, like
+the Azure streaming tests; nothing on the machine changes). The other process scenarios of the
+matrix live beside the code they exercise (docs/reliability.md): tests/test_metadata_processes.py
+(32 concurrent pullers, a puller killed mid-download) and tests/test_daemon.py (a rank killed
+mid-load, the daemon killed mid-load and restarted).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+
+from daemon_harness import DaemonProcess, finish_failed, leftovers
+from streamer_service.demo import build_sample
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("nsenter") is None,
+    reason="needs root and util-linux unshare/nsenter for a private mount namespace with a small tmpfs",
+)
+
+
+@pytest.fixture(scope="module")
+def sample(tmp_path_factory) -> Path:
+    src = tmp_path_factory.mktemp("sample") / "ckpt"
+    build_sample(src, size_mb=12)
+    # A tokenizer larger than the cache filesystem below.
+    (src / "tokenizer.json").write_bytes(os.urandom(512 * 1024))
+    return src
+
+
+def test_cache_disk_full_is_a_cache_error_and_leaves_nothing_half_filled(sample, tmp_path):
+    cache = tmp_path / "cache"
+    cache.mkdir(exist_ok=True)
+    d = DaemonProcess(tmp_path, {"STREAMER_CACHE_DIR": str(cache)}, tmpfs={cache: "256k"}).start()
+    try:
+        with d.client() as c:
+            for r in (
+                c.post("/v1/metadata", json={"uri": str(sample)}),
+                c.post("/v1/sessions/join", json={"uri": str(sample), "session": "s", "rank": 0, "world_size": 1}),
+            ):
+                assert r.status_code == 500, r.text
+                error = r.json()["error"]
+                assert error["type"] == "CacheError"
+                assert "no space left on the cache filesystem" in error["message"] and str(sample) in error["message"]
+        assert list(cache.iterdir()) == []  # the tmpfs took every write, outside it nothing changed
+        assert list(d.view(cache).glob("*")) == [d.view(cache) / f"{_key(sample)}.lock"]
+        assert leftovers(d, cache) == ([], [])
+        assert d.healthy()
+    finally:
+        d.stop()
+
+
+def test_shm_smaller_than_the_budget_is_a_config_error_not_a_sigbus(sample, tmp_path):
+    d = DaemonProcess(
+        tmp_path, {"STREAMER_SLOT_SIZE": "1MiB", "STREAMER_RANK_TIMEOUT_S": "5"}, "--shm-budget", "64MiB",
+        tmpfs={tmp_path / "shm": "3m"},
+    ).start()  # fmt: skip
+    try:
+        rank = d.start_rank(str(sample), 0, 1, sample, None)
+        result = finish_failed(rank)
+        assert rank.returncode != -signal.SIGBUS
+        assert result["error"]["type"] == "ConfigError"
+        assert str(d.shm_dir) in result["error"]["message"]
+        assert result["bad"] == []  # what was delivered before is whole
+        assert d.stats()["finished"][-1]["state"] == "failed"
+        assert leftovers(d, tmp_path / "cache") == ([], [])
+        assert d.healthy()
+    finally:
+        d.stop()
+
+
+def _key(sample: Path) -> str:
+    from streamer_service.uri import parse_uri
+
+    return parse_uri(str(sample)).cache_key
