@@ -177,12 +177,12 @@ class Daemon:
 
     def _rejoining(self, key: str, session: Session | None, rank: int) -> bool:
         """Whether ``rank`` comes back to a load it did not finish (the others did, or still load)."""
+        state = session.ranks.get(rank) if session is not None else None
         if session is not None and session.state is SessionState.STREAMING:
-            state = session.ranks.get(rank)
             return state is not None and state.status is not RankStatus.ACTIVE
-        if session is None or session.state is SessionState.DONE:
-            return rank in self._unfinished.get(key, ())
-        return False
+        if session is not None and session.state is SessionState.DONE:  # ended, not yet reported
+            return state is not None and state.status in (RankStatus.LEFT, RankStatus.RECLAIMED)
+        return session is None and rank in self._unfinished.get(key, ())
 
     def _new_session(self, key: str, checkpoint, world_size: int, *, rejoin: tuple[str, int] | None = None) -> Session:
         return Session(
