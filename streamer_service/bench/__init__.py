@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -37,7 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=1, help="warm-up repetitions, every byte checked (default 1)")
     parser.add_argument("--full-check", action="store_true", help="check every byte in timed repetitions too")
     parser.add_argument("--borrowed", action="store_true",
-                        help="ranks take zero-copy views (A: owned=False, B and C: borrowed=True); D is unchanged")
+                        help="ranks take zero-copy views (A: owned=False, B and C: borrowed=True); D still copies")
     parser.add_argument("--runai-concurrency", type=int, default=2,
                         help="RUNAI_STREAMER_CONCURRENCY for A, B and C (default 2; 0: Run:ai's default)")
     parser.add_argument("--runai-chunk", help="RUNAI_STREAMER_CHUNK_BYTESIZE for A, B and C (default: Run:ai's)")
@@ -92,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
     from .runner import Bench, loadavg, machine_info
     from .sources import SOURCES
 
+    # A bench stopped with SIGTERM still stops its servers and daemon and removes its shared memory.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     with tempfile.TemporaryDirectory(prefix="streamer-bench-") as tmp:
         work = args.work_dir or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)

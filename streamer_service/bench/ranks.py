@@ -174,7 +174,9 @@ def _load_naive(job: RankJob, downloaded) -> Iterator[tuple[str, torch.Tensor]]:
         shard = weight_map[name]
         if shard not in handles:
             handles[shard] = safe_open(str(directory / shard), "pt")
-        yield name, handles[shard].get_tensor(name)
+        # get_tensor maps the file and reads nothing until touched: clone() reads every byte into the
+        # process's memory, as A's and B's owned tensors are (and as a copy to a GPU would read them).
+        yield name, handles[shard].get_tensor(name).clone()
 
 
 def _download(job: RankJob) -> None:
