@@ -41,7 +41,7 @@ from gpu_bench import GB, warm_page_cache, write_checkpoint  # noqa: E402 - also
 
 import torch  # noqa: E402
 
-from streamer_service.demo import rank_selection  # noqa: E402
+from streamer_service.sample import rank_selection  # noqa: E402
 from streamer_service.server import ChildDaemon  # noqa: E402
 
 

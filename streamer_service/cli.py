@@ -6,7 +6,7 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -89,14 +89,6 @@ def cmd_health(args: argparse.Namespace) -> int:
     return 0
 
 
-def _not_built(issue: int) -> Callable[[argparse.Namespace], int]:
-    def run(args: argparse.Namespace) -> int:
-        print(f"streamer-service {args.command}: not built yet (tracked in issue {issue})", file=sys.stderr)
-        return EXIT_USAGE
-
-    return run
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="streamer-service",
@@ -148,8 +140,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo_module.add_arguments(demo)
     demo.set_defaults(run=demo_module.run)
 
-    bench = sub.add_parser("bench", help="side-by-side benchmark")
-    bench.set_defaults(run=_not_built(9))
+    bench = sub.add_parser("bench", help="side-by-side benchmark: plain Run:ai, the daemon, embedded, download + load")
+    from . import bench as bench_module
+
+    bench_module.add_arguments(bench)
+    bench.set_defaults(run=bench_module.run)
     return parser
 
 

@@ -17,7 +17,7 @@ import pytest
 
 from daemon_harness import DaemonProcess, leftovers
 from streamer_service.api import MAX_BODY_BYTES, MAX_LIST
-from streamer_service.demo import build_sample
+from streamer_service.sample import build_sample
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 CLI = [sys.executable, "-m", "streamer_service"]
 
@@ -31,13 +30,6 @@ def test_pull_error_is_one_clear_line(tmp_path):
         "use s3://, gs://, az:// or a local directory"
     )
     assert "Traceback" not in result.stderr
-
-
-@pytest.mark.parametrize("command, issue", [("bench", 9)])
-def test_unbuilt_commands_say_so(command, issue):
-    result = run(command)
-    assert result.returncode == 2
-    assert f"not built yet (tracked in issue {issue})" in result.stderr
 
 
 def test_bad_setting_is_a_usage_error(tmp_path):

@@ -16,7 +16,7 @@ import pytest
 
 from daemon_harness import DaemonProcess, ShmSampler, finish
 from streamer_service.catalog import build_catalog
-from streamer_service.demo import build_sample, rank_selection
+from streamer_service.sample import build_sample, rank_selection
 from streamer_service.settings import Settings
 from streamer_service.storage import open_storage
 from streamer_service.uri import parse_uri

@@ -26,7 +26,7 @@ import pytest
 from daemon_harness import DaemonProcess, finish, finish_failed, leftovers
 from harness.faults import always, cloud_error, every_nth, range_get
 from harness.proxy import Fault, RecordedRequest
-from streamer_service.demo import build_sample
+from streamer_service.sample import build_sample
 
 # Tight storage settings, so that the unrecoverable cases end in seconds (docs/reliability.md).
 FAST_FAILING = {

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from daemon_harness import DaemonProcess, leftovers
-from streamer_service.demo import build_sample, rank_selection
+from streamer_service.sample import build_sample, rank_selection
 
 WORLD = 8
 CHECKPOINTS = 3

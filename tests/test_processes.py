@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from daemon_harness import DaemonProcess, finish_failed, leftovers
-from streamer_service.demo import build_sample
+from streamer_service.sample import build_sample
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("nsenter") is None,

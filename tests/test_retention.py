@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from daemon_harness import DaemonProcess, finish, finish_failed
 from streamer_service.catalog import build_catalog
-from streamer_service.demo import build_sample, rank_selection
+from streamer_service.sample import build_sample, rank_selection
 from streamer_service.resident import ResidentStore
 from streamer_service.settings import Settings
 from streamer_service.shm import SegmentStore

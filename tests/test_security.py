@@ -19,7 +19,7 @@ import pytest
 
 from daemon_harness import DaemonProcess, finish, leftovers
 from harness.faults import denied_fault
-from streamer_service.demo import build_sample
+from streamer_service.sample import build_sample
 
 
 @pytest.fixture(scope="module")
