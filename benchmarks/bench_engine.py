@@ -37,6 +37,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
+from streamer_service.bench.sources import warm_page_cache  # noqa: E402
 from streamer_service.catalog import build_catalog  # noqa: E402
 from streamer_service.engine import BUFFERED_FS_STRATEGY, EmbeddedEngine, EngineConfig  # noqa: E402
 from streamer_service.settings import Settings  # noqa: E402
@@ -84,13 +85,6 @@ def write_checkpoint(directory: Path, size_gb: float) -> int:
 
 def _shape(name: str) -> tuple[int, ...]:
     return (HIDDEN,) if name.endswith("norm.weight") else (HIDDEN, HIDDEN)
-
-
-def warm_page_cache(directory: Path) -> None:
-    for path in sorted(directory.glob("*.safetensors")):
-        with open(path, "rb") as f:
-            while f.read(64 * 1024 * 1024):
-                pass
 
 
 # --------------------------------------------------------------------------- contenders

@@ -1,6 +1,6 @@
 """Warm restart: reloading a checkpoint from the daemon's resident copy vs loading it from storage.
 
-    python benchmarks/bench_warm.py [--size-gb 2] [--ranks 2] [--reps 3] [--uri URI] [--device cpu]
+    python benchmarks/bench_warm.py [--source local|seaweed] [--size-gb 2] [--ranks 2] [--reps 3] [--device cpu]
 
 Each repetition starts a fresh daemon with a retention budget larger than the checkpoint, then
 runs the same N rank processes twice:
@@ -13,14 +13,15 @@ runs the same N rank processes twice:
 Timing: the ranks import torch and the client, meet at a barrier, then each times its
 ``streamer_client.stream(...)`` loop (safe tensors, or ``--borrowed`` zero-copy views);
 a load's wall time is the last rank's end minus the first rank's start (one clock: same host).
-Bytes from storage: the daemon's own count, and for a local directory also what the daemon
-process read from files according to the kernel (``/proc/<pid>/io`` ``rchar``). Each rank checks
-the byte count of what it received and spot-checks tensors against ``safetensors``.
+Bytes from storage, counted outside our code: for SeaweedFS its own counter of bytes sent
+(``streamer-service bench``'s source, started here as a child process on loopback), for a local
+directory what the daemon process read according to the kernel (``/proc/<pid>/io`` ``rchar``);
+the daemon's own count is printed beside them. Each rank checks the byte count of what it
+received and spot-checks tensors against ``safetensors``.
 
-Selections are TP-like (every non-expert tensor, plus every N-th expert), as in the demo. With
-``--uri`` the checkpoint is read from there (credentials from the environment) and the local one
-is only the ground truth; otherwise from a local directory in the page cache, the hardest case
-for a warm/cold ratio (a cold load from the page cache is already fast).
+Selections are TP-like (every non-expert tensor, plus every N-th expert), as in the demo. The
+local directory is in the page cache: the hardest case for a warm/cold ratio, since a cold load
+from the page cache is already fast.
 """
 
 from __future__ import annotations
@@ -37,10 +38,11 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
-from gpu_bench import GB, warm_page_cache, write_checkpoint  # noqa: E402 - also puts the checkout on sys.path
+from gpu_bench import GB, write_checkpoint  # noqa: E402 - also puts the checkout on sys.path
 
 import torch  # noqa: E402
 
+from streamer_service.bench.sources import SOURCES, open_source  # noqa: E402
 from streamer_service.sample import rank_selection  # noqa: E402
 from streamer_service.server import ChildDaemon  # noqa: E402
 
@@ -104,11 +106,12 @@ def _rchar(pid: int) -> int:
     raise RuntimeError("no rchar")
 
 
-def one_rep(rep: int, uri: str, truth: Path, world: int, device: str, borrowed: bool, retention: str, tmp: Path) -> dict:
+def one_rep(rep: int, source, truth: Path, world: int, device: str, borrowed: bool, retention: str, tmp: Path) -> dict:
     """A fresh daemon; a cold then a warm load by the same ``world`` rank processes."""
     root = tmp / f"rep{rep}"
     root.mkdir()
-    env = {"STREAMER_RETENTION_BUDGET": retention, "STREAMER_CACHE_DIR": str(root / "cache")}
+    uri = source.uri
+    env = {**source.env, "STREAMER_RETENTION_BUDGET": retention, "STREAMER_CACHE_DIR": str(root / "cache")}
     daemon = ChildDaemon(root, "1GiB", env=env)
     try:
         keys = [f"cold-{rep}", f"warm-{rep}"]
@@ -122,7 +125,12 @@ def one_rep(rep: int, uri: str, truth: Path, world: int, device: str, borrowed: 
         for p in procs:
             p.start()
         row: dict = {}
-        before_read, before_rchar = daemon.stats()["bytes_read"], _rchar(daemon.proc.pid)
+
+        def served() -> int:  # bytes the storage sent: its own count, or the daemon's reads (kernel)
+            counted = source.bytes_served()
+            return counted if counted is not None else _rchar(daemon.proc.pid)
+
+        before_read, before_served = daemon.stats()["bytes_read"], served()
         got: dict[str, list] = {k: [] for k in keys}
         for _ in range(world * len(keys)):
             rank, key, start, end, nbytes, error = results.get(timeout=1800)
@@ -131,14 +139,14 @@ def one_rep(rep: int, uri: str, truth: Path, world: int, device: str, borrowed: 
             got[key].append((start, end, nbytes))
             if len(got[key]) == world:
                 stats = daemon.stats()
-                rchar = _rchar(daemon.proc.pid)
+                now_served = served()
                 row[key.split("-")[0]] = {
                     "seconds": max(e for _, e, _ in got[key]) - min(s for s, _, _ in got[key]),
                     "delivered": sum(n for _, _, n in got[key]),
-                    "storage_bytes": stats["bytes_read"] - before_read,
-                    "daemon_rchar": rchar - before_rchar,
+                    "daemon_count": stats["bytes_read"] - before_read,
+                    "storage_bytes": now_served - before_served,
                 }
-                before_read, before_rchar = stats["bytes_read"], rchar
+                before_read, before_served = stats["bytes_read"], now_served
         for p in procs:
             p.join()
         row["resident_bytes"] = daemon.stats()["resident_bytes"]
@@ -152,7 +160,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--size-gb", type=float, default=2.0, help="checkpoint size (default 2)")
     parser.add_argument("--ranks", type=int, default=2, help="rank processes (default 2)")
     parser.add_argument("--reps", type=int, default=3, help="repetitions, each on a fresh daemon (default 3)")
-    parser.add_argument("--uri", help="read the checkpoint from here (default: the local dir); --dir is its ground truth")
+    parser.add_argument("--source", default="local", choices=[s for s in SOURCES if s != "moto"],
+                        help="local dir (page cache) or a SeaweedFS S3 server started here (default local)")
     parser.add_argument("--dir", type=Path, help="checkpoint directory (default: written to a temp dir)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda: rank r uses cuda:r")
     parser.add_argument("--borrowed", action="store_true", help="zero-copy CPU views instead of safe copies")
@@ -164,31 +173,33 @@ def main(argv: list[str] | None = None) -> None:
         if not (truth / "model.safetensors.index.json").exists():
             truth.mkdir(parents=True, exist_ok=True)
             write_checkpoint(truth, args.size_gb, "cpu")
-        warm_page_cache(truth)
         total = sum(_names(truth).values())
-        uri = args.uri or str(truth)
         retention = str(int(total * 1.25) + 2**30)
         device = args.device
-        print(f"{os.cpu_count()} CPUs; torch {torch.__version__}; checkpoint {total / GB:.2f} GB at {uri}; "
-              f"{args.ranks} ranks, TP-like selections, {'borrowed views' if args.borrowed else 'safe copies'} on {device}; "
-              f"load average {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
-        rows = []
-        for rep in range(args.reps):
-            row = one_rep(rep, uri, truth, args.ranks, device, args.borrowed, retention, tmp)
-            rows.append(row)
-            print(f"  rep {rep}: cold {row['cold']['seconds']:.2f} s, warm {row['warm']['seconds']:.2f} s, "
-                  f"warm storage bytes {row['warm']['storage_bytes']}", flush=True)  # fmt: skip
+        source = open_source(args.source, tmp / "source", truth)  # the local one warms the page cache
+        try:
+            print(f"{os.cpu_count()} CPUs; torch {torch.__version__}; checkpoint {total / GB:.2f} GB, {source.describe()}; "
+                  f"{args.ranks} ranks, TP-like selections, {'borrowed views' if args.borrowed else 'safe copies'} on {device}; "
+                  f"load average {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+            rows = []
+            for rep in range(args.reps):
+                row = one_rep(rep, source, truth, args.ranks, device, args.borrowed, retention, tmp)
+                rows.append(row)
+                print(f"  rep {rep}: cold {row['cold']['seconds']:.2f} s, warm {row['warm']['seconds']:.2f} s, "
+                      f"warm storage bytes {row['warm']['storage_bytes']}", flush=True)  # fmt: skip
+        finally:
+            source.close()
 
     def med(phase: str, field: str) -> float:
         return statistics.median(r[phase][field] for r in rows)
 
     print()
-    print(f"{'load':<6} {'seconds':>8} {'min':>6} {'max':>6} {'GB/s':>6} {'storage GB':>10} {'daemon rchar GB':>15}")
+    print(f"{'load':<6} {'seconds':>8} {'min':>6} {'max':>6} {'GB/s':>6} {'storage GB':>10} {'daemon count GB':>15}")
     for phase in ("cold", "warm"):
         secs = [r[phase]["seconds"] for r in rows]
         print(f"{phase:<6} {med(phase, 'seconds'):>8.2f} {min(secs):>6.2f} {max(secs):>6.2f} "
               f"{med(phase, 'delivered') / med(phase, 'seconds') / GB:>6.2f} {med(phase, 'storage_bytes') / GB:>10.3f} "
-              f"{med(phase, 'daemon_rchar') / GB:>15.3f}")  # fmt: skip
+              f"{med(phase, 'daemon_count') / GB:>15.3f}")  # fmt: skip
     ratios = [r["warm"]["seconds"] / r["cold"]["seconds"] for r in rows]
     print(f"warm / cold time: median {statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}); "
           f"GB/s counts bytes delivered to all ranks; GB = 1e9 bytes")  # fmt: skip

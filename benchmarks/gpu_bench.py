@@ -52,6 +52,7 @@ for path in (REPO / "client", REPO):  # run from a checkout
 
 import streamer_client  # noqa: E402
 from streamer_client.cuda import PinnedCopier, address_of  # noqa: E402
+from streamer_service.bench.sources import warm_page_cache  # noqa: E402
 from streamer_service.server import ChildDaemon  # noqa: E402
 
 GB = 1e9
@@ -114,13 +115,6 @@ def write_checkpoint(directory: Path, size_gb: float, device: str) -> int:
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     return total
-
-
-def warm_page_cache(directory: Path) -> None:
-    for path in sorted(directory.glob("*.safetensors")):
-        with open(path, "rb") as f:
-            while f.read(64 * MIB):
-                pass
 
 
 # --------------------------------------------------------------------------- measurements
