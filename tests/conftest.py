@@ -150,3 +150,21 @@ def azure_tls(azure_tls_service, isolated_env):
     b = azure_tls_service.new_backend()
     yield b
     b.close()
+
+
+@pytest.fixture
+def daemon(tmp_path):
+    """``daemon(env=None, *serve_args)`` starts a real ``streamer-service serve`` (ranks silent for
+    2 s are reclaimed unless ``env`` says otherwise); every daemon started is stopped afterwards."""
+    from daemon_harness import DaemonProcess
+
+    procs = []
+
+    def start(env=None, *extra):
+        d = DaemonProcess(tmp_path, {"STREAMER_RANK_TIMEOUT_S": "2", **(env or {})}, *extra).start()
+        procs.append(d)
+        return d
+
+    yield start
+    for d in procs:
+        d.stop()

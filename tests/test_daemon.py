@@ -64,20 +64,6 @@ def _range_bytes(backend) -> int:
     return total
 
 
-@pytest.fixture
-def daemon(tmp_path, request):
-    procs = []
-
-    def start(env=None, *extra):
-        d = DaemonProcess(tmp_path, {"STREAMER_RANK_TIMEOUT_S": "2", **(env or {})}, *extra).start()
-        procs.append(d)
-        return d
-
-    yield start
-    for d in procs:
-        d.stop()
-
-
 @pytest.mark.parametrize("backend", ["local", "s3"], indirect=True)
 def test_four_ranks_overlapping_selections_read_each_byte_once(backend, sample, daemon):
     uri = _upload(backend, sample)

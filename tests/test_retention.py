@@ -35,20 +35,6 @@ def sample(tmp_path_factory):
     return src
 
 
-@pytest.fixture
-def daemon(tmp_path):
-    procs = []
-
-    def start(env=None, *extra):
-        d = DaemonProcess(tmp_path, {"STREAMER_RANK_TIMEOUT_S": "2", **(env or {})}, *extra).start()
-        procs.append(d)
-        return d
-
-    yield start
-    for d in procs:
-        d.stop()
-
-
 def _names(src: Path) -> list[str]:
     return [t.name for t in build_catalog(open_storage(parse_uri(str(src)), Settings())).tensors]
 
