@@ -12,7 +12,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from streamer_client.errors import SessionError, StorageAccessDeniedError
+from streamer_client.errors import SessionError, StorageAccessDeniedError, StreamerError
 
 from .checkpoint import open_checkpoint
 from .metadata import MetadataCache
@@ -44,6 +44,7 @@ class Daemon:
         # Ranks of recently ended sessions that did not receive everything, by key: their rejoin is
         # served on its own instead of waiting for a whole new group.
         self._unfinished: dict[str, set[int]] = {}
+        self._failures: dict[str, StreamerError] = {}  # errors of recently failed sessions, by id
         self._rejoins = 0
         self.resident = ResidentStore(int(settings.retention_budget))
         self.finished: list[dict] = []  # summaries of ended sessions, newest last (bounded)
@@ -204,6 +205,9 @@ class Daemon:
             for session in self.sessions.values():
                 if session.id == session_id:
                     return session
+            failed = self._failures.get(session_id)
+        if failed is not None:  # a rank asking after its session failed learns why, not just "gone"
+            raise type(failed)(failed.message, uri=failed.uri, key=failed.key)
         raise SessionError(f"unknown or finished session {session_id!r}")
 
     def _ended(self, session: Session) -> None:
@@ -225,6 +229,10 @@ class Daemon:
             self.bytes_read += session.stats.bytes_read
             self.finished.append(summary)
             del self.finished[:-64]
+            if session.error is not None:
+                self._failures[session.id] = session.error
+                while len(self._failures) > _ENDED_KEPT:
+                    del self._failures[next(iter(self._failures))]
 
     def stats(self) -> dict:
         with self._lock:
