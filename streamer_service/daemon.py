@@ -167,7 +167,7 @@ class Daemon:
             # reclaimed yet, or a second process with the same rank. Wait for the reaper.
             if time.monotonic() > deadline:
                 raise SessionError(
-                    f"rank {rank} is still loading in session {key!r} ({parsed.normalized}); "
+                    f"rank {rank} is still loading in session '{key}' ({parsed.normalized}); "
                     "two processes cannot be the same rank (a dead one is reclaimed after "
                     f"STREAMER_RANK_TIMEOUT_S = {self.settings.rank_timeout_s:g} s)",
                     uri=parsed.normalized,
