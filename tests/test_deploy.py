@@ -376,7 +376,8 @@ def test_other_streamer_command_lines_parse(settings_env):
 
 def test_shm_volume_holds_the_budget(daemons):
     for d in daemons:
-        budget = int(d.settings.shm_budget)
+        # Ring segments and the checkpoints kept resident both live in the shm dir.
+        budget = int(d.settings.shm_budget) + int(d.settings.retention_budget)
         mount = _mount(d.container, d.settings.shm_dir)
         assert mount, f"{d.pod.where}: STREAMER_SHM_DIR {d.settings.shm_dir} is not a volume mount"
         volume = d.pod.volume(mount["name"])
@@ -385,7 +386,9 @@ def test_shm_volume_holds_the_budget(daemons):
             assert ed.get("medium") == "Memory", f"{d.pod.where}: the shm emptyDir must be medium: Memory"
             assert "sizeLimit" in ed, f"{d.pod.where}: size the shm emptyDir (sizeLimit)"
             size = _quantity(ed["sizeLimit"])
-            assert budget < size, f"{d.pod.where}: STREAMER_SHM_BUDGET {budget} must stay below sizeLimit {size}"
+            assert budget < size, (
+                f"{d.pod.where}: STREAMER_SHM_BUDGET + STREAMER_RETENTION_BUDGET {budget} must stay below sizeLimit {size}"
+            )
         else:
             assert "hostPath" in volume, f"{d.pod.where}: shm must be a memory emptyDir or a hostPath"
             host = PurePosixPath(volume["hostPath"]["path"])
