@@ -153,6 +153,17 @@ def azure_tls(azure_tls_service, isolated_env):
 
 
 @pytest.fixture
+def sample(tmp_path_factory):
+    """A ~12 MB MoE-shaped checkpoint (2 shards), built once per test (files with their own
+    ``sample`` fixture use theirs)."""
+    from streamer_service.sample import build_sample
+
+    src = tmp_path_factory.mktemp("sample") / "ckpt"
+    build_sample(src, size_mb=12)
+    return src
+
+
+@pytest.fixture
 def daemon(tmp_path):
     """``daemon(env=None, *serve_args)`` starts a real ``streamer-service serve`` (ranks silent for
     2 s are reclaimed unless ``env`` says otherwise); every daemon started is stopped afterwards."""

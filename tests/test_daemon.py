@@ -16,20 +16,12 @@ import pytest
 
 from daemon_harness import DaemonProcess, ShmSampler, finish
 from streamer_service.catalog import build_catalog
-from streamer_service.sample import build_sample, rank_selection
+from streamer_service.sample import rank_selection
 from streamer_service.settings import Settings
 from streamer_service.storage import open_storage
 from streamer_service.uri import parse_uri
 
 WORLD = 4
-
-
-@pytest.fixture
-def sample(tmp_path_factory):
-    """A ~12 MB MoE-shaped checkpoint (2 shards), built once per test."""
-    src = tmp_path_factory.mktemp("sample") / "ckpt"
-    build_sample(src, size_mb=12)
-    return src
 
 
 def _catalog(src: Path):

@@ -28,13 +28,6 @@ from streamer_service.uri import parse_uri
 WORLD = 2
 
 
-@pytest.fixture
-def sample(tmp_path_factory):
-    src = tmp_path_factory.mktemp("sample") / "ckpt"
-    build_sample(src, size_mb=12)
-    return src
-
-
 def _names(src: Path) -> list[str]:
     return [t.name for t in build_catalog(open_storage(parse_uri(str(src)), Settings())).tensors]
 
