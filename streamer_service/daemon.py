@@ -31,7 +31,14 @@ __all__ = ["Daemon"]
 log = logging.getLogger(__name__)
 
 _REAP_INTERVAL_S = 0.5
-_ENDED_KEPT = 256  # how many ended sessions' rank outcomes are remembered (for rejoins)
+_ENDED_KEPT = 256  # how many ended sessions' outcomes are remembered (rejoins, late requests)
+
+
+def _remember(memory: dict, key, value) -> None:
+    """``memory[key] = value``, forgetting the oldest entries beyond ``_ENDED_KEPT``."""
+    memory[key] = value
+    while len(memory) > _ENDED_KEPT:
+        del memory[next(iter(memory))]
 
 
 class Daemon:
@@ -142,7 +149,7 @@ class Daemon:
         # Refused before a session exists: a refused first join must not leave an empty session behind.
         if not 0 <= rank < world_size:
             raise SessionError(f"rank {rank} is outside world_size {world_size}", uri=parsed.normalized)
-        select_tensors(checkpoint.catalog.tensors, select, priority)
+        chosen = select_tensors(checkpoint.catalog.tensors, select, priority)
         deadline = time.monotonic() + self.settings.rank_timeout_s + 4 * _REAP_INTERVAL_S
         while True:
             with self._lock:
@@ -173,7 +180,7 @@ class Daemon:
                     uri=parsed.normalized,
                 )
             time.sleep(_REAP_INTERVAL_S / 2)
-        session.join(rank, world_size, select, priority)
+        session.join(rank, world_size, chosen, priority)
         return session
 
     def _rejoining(self, key: str, session: Session | None, rank: int) -> bool:
@@ -220,9 +227,7 @@ class Daemon:
                 self._unfinished.pop(session.key, None)
                 left = {r.rank for r in session.ranks.values() if r.status in (RankStatus.LEFT, RankStatus.RECLAIMED)}
                 if left and session.state is SessionState.DONE:
-                    self._unfinished[session.key] = left
-                    while len(self._unfinished) > _ENDED_KEPT:
-                        del self._unfinished[next(iter(self._unfinished))]
+                    _remember(self._unfinished, session.key, left)
             elif session.state is SessionState.DONE and all(r.status is RankStatus.DONE for r in session.ranks.values()):
                 group, rank = session.rejoin  # caught up: its next join is its group's again
                 self._unfinished.get(group, set()).discard(rank)
@@ -230,9 +235,7 @@ class Daemon:
             self.finished.append(summary)
             del self.finished[:-64]
             if session.error is not None:
-                self._failures[session.id] = session.error
-                while len(self._failures) > _ENDED_KEPT:
-                    del self._failures[next(iter(self._failures))]
+                _remember(self._failures, session.id, session.error)
 
     def stats(self) -> dict:
         with self._lock:

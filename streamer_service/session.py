@@ -33,7 +33,7 @@ from .catalog import TensorInfo
 from .checkpoint import Checkpoint
 from .engine import BUFFERED_FS_STRATEGY
 from .pipeline import Load, LoadStats, Pipeline
-from .plan import Batch, BatchKind, Plan, build_plan, select
+from .plan import Batch, BatchKind, Plan, build_plan
 from .resident import ResidentCopy, ResidentStore
 from .runai import NativeReader
 from .shm import Reservation, Segment, SegmentPool
@@ -98,6 +98,7 @@ class _Slot:
     segment: Segment
     reservation: Reservation | None  # None: the session's resident claim pays for it
     oversized: bool
+    resident: bool = False  # loaded and handed to the resident copy, which owns it from then on
 
     @property
     def kept(self) -> bool:
@@ -135,14 +136,12 @@ class Session:
         self.stats = LoadStats()
         # (group key, rank): a session for one rank coming back to its group's load after dying.
         self.rejoin = rejoin
-        self.only = rejoin[1] if rejoin is not None else None
         self.resident_bytes = 0  # handed out from memory kept by earlier loads
         self._slot_size = slot_size
         self._pool = pool
         self._resident = resident if resident is not None and resident.enabled else None
         self._copy: ResidentCopy | None = None
         self._claimed = 0  # resident bytes claimed for this session's own segments
-        self._kept = 0  # of which filled and handed to the resident copy
         self._join_deadline = clock() + join_timeout_s
         self._join_timeout_s = join_timeout_s
         self._on_end = on_end
@@ -162,10 +161,10 @@ class Session:
 
     # ------------------------------------------------------------------ joining
 
-    def join(self, rank: int, world_size: int, select_: Sequence[str] | None, priority: Sequence[str] | None) -> RankState:
-        """Add ``rank``; block until every rank has joined (or the join timeout passes)."""
+    def join(self, rank: int, world_size: int, chosen: Sequence[TensorInfo], priority: Sequence[str] | None) -> RankState:
+        """Add ``rank`` with its selected tensors (``plan.select``); block until every rank has
+        joined (or the join timeout passes)."""
         catalog = self.checkpoint.catalog
-        chosen = select(catalog.tensors, list(select_) if select_ is not None else None, list(priority) if priority else None)
         with self._cond:
             if world_size != self.world_size:
                 raise SessionError(
@@ -208,6 +207,11 @@ class Session:
             if self.state is SessionState.FAILED and self.error is not None:
                 raise self.error
             return state
+
+    @property
+    def only(self) -> int | None:
+        """The one rank a rejoin session serves; None for a group's session."""
+        return self.rejoin[1] if self.rejoin is not None else None
 
     @property
     def expected(self) -> int:
@@ -375,7 +379,7 @@ class Session:
         if slot is not None and slot.kept:
             placements = [(p.tensor.name, p.buffer_offset) for p in load.batch.placements if p.tensor.nbytes]
             self._resident.add(self._copy, slot.segment, placements)
-            self._kept += slot.segment.nbytes
+            slot.resident = True
         with self._cond:
             if self._cancelled:
                 raise _Cancelled
@@ -529,14 +533,13 @@ class Session:
         with self._cond:
             slots, self._slots, self._free = self._slots, [], []
             self._refs.clear()
-        kept = {id(s) for s in self._copy.segments} if self._copy is not None else set()
         for slot in slots:
             if not slot.kept:
                 self._pool.give(slot.segment, slot.reservation, keep=not slot.oversized, now=self._clock())
-            elif id(slot.segment) not in kept:
+            elif not slot.resident:
                 slot.segment.close()  # claimed but never filled: the load failed first
         if self._copy is not None:
-            self._resident.settle(self._claimed - self._kept)
+            self._resident.settle(self._claimed - sum(s.segment.nbytes for s in slots if s.resident))
             self._resident.unpin(self._copy)
 
     def summary(self) -> dict:
