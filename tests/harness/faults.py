@@ -69,9 +69,9 @@ def unavailable_fault(backend: str) -> FaultHook:
     return _always_error(backend, 503)
 
 
-def first_n(n: int, fault: FaultHook, when: Optional[Callable[[RecordedRequest], bool]] = None) -> FaultHook:
-    """Apply ``fault`` to the first ``n`` requests that match ``when`` (all by default); then forward."""
-    counter = itertools.count()
+def _numbered(fault: FaultHook, when: Optional[Callable[[RecordedRequest], bool]], chosen: Callable[[int], bool]) -> FaultHook:
+    """Apply ``fault`` to the i-th request matching ``when`` (all when None), counted from 1, if ``chosen(i)``."""
+    counter = itertools.count(1)
     lock = threading.Lock()
 
     def hook(r: RecordedRequest) -> Optional[Fault]:
@@ -79,9 +79,14 @@ def first_n(n: int, fault: FaultHook, when: Optional[Callable[[RecordedRequest],
             return None
         with lock:
             i = next(counter)
-        return fault(r) if i < n else None
+        return fault(r) if chosen(i) else None
 
     return hook
+
+
+def first_n(n: int, fault: FaultHook, when: Optional[Callable[[RecordedRequest], bool]] = None) -> FaultHook:
+    """Apply ``fault`` to the first ``n`` requests that match ``when`` (all by default); then forward."""
+    return _numbered(fault, when, lambda i: i <= n)
 
 
 def range_get(r: RecordedRequest) -> bool:
@@ -92,17 +97,7 @@ def range_get(r: RecordedRequest) -> bool:
 def every_nth(n: int, fault: FaultHook, when: Optional[Callable[[RecordedRequest], bool]] = range_get) -> FaultHook:
     """Apply ``fault`` to every ``n``-th request matching ``when`` (ranged GETs by default): a
     deterministic share ``1/n`` of them; the others, and every retry in between, are forwarded."""
-    counter = itertools.count(1)
-    lock = threading.Lock()
-
-    def hook(r: RecordedRequest) -> Optional[Fault]:
-        if when is not None and not when(r):
-            return None
-        with lock:
-            i = next(counter)
-        return fault(r) if i % n == 0 else None
-
-    return hook
+    return _numbered(fault, when, lambda i: i % n == 0)
 
 
 def always(fault: Fault) -> FaultHook:
