@@ -30,6 +30,7 @@ from streamer_client import errors
 
 from .daemon import Daemon
 from .metrics import CONTENT_TYPE
+from .runai import read_parallelism_in_force
 from .settings import Settings
 
 __all__ = ["create_app"]
@@ -163,7 +164,12 @@ def create_app(settings: Settings) -> FastAPI:
     @app.get("/readyz")
     def readyz(request: Request) -> dict:
         d = daemon(request)
-        return {"status": "ready", "shm_dir": str(d.store.shm_dir), "shm_budget": d.budget.limit}
+        return {
+            "status": "ready",
+            "shm_dir": str(d.store.shm_dir),
+            "shm_budget": d.budget.limit,
+            "read_parallelism": read_parallelism_in_force(settings),  # docs/configuration.md, "Read parallelism"
+        }
 
     @app.get("/metrics")
     def metrics(request: Request) -> Response:

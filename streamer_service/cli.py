@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -14,18 +15,22 @@ from pydantic import ValidationError
 from streamer_client.errors import StreamerError
 
 from . import logs
-from .settings import Settings, get_settings
+from .settings import DEFAULT_SOCKET, Settings, get_settings
 
 log = logging.getLogger("streamer_service")
 
+# docs/daemon.md, "Exit codes", is the table of these.
+EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
 
 
 def _settings(args: argparse.Namespace) -> Settings:
     """The environment's settings with this command's flags on top, validated alike."""
     update = {}
-    for field in ("cache_dir", "shm_dir", "socket", "shm_budget", "retention_budget", "allow", "tcp_port", "group_access"):
+    for field in ("cache_dir", "shm_dir", "socket", "shm_budget", "retention_budget", "allow", "tcp_port", "group_access",
+                  "metrics_port", "metrics_host"):  # fmt: skip
         value = getattr(args, field, None)
         if value not in (None, [], False):
             update[field] = value
@@ -47,7 +52,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
     launch = resolve_launch_id(settings, args.launch_id, fallback=f"cli-{os.getpid()}")
     path = MetadataCache(settings, progress=progress_mode(args)).pull(args.uri, force=True if args.force else None, launch_id=launch)
     print(path)
-    return 0
+    return EXIT_OK
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -57,7 +62,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     checkpoint = open_checkpoint(args.uri, _settings(args))
     text = format_jsonl(checkpoint.catalog) if args.json else format_table(checkpoint.catalog)
     sys.stdout.write(text if text.endswith("\n") else text + "\n")
-    return 0
+    return EXIT_OK
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -69,31 +74,54 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_health(args: argparse.Namespace) -> int:
     # A probe runs every few seconds in every pod: plain httpx, no torch import (the client's is heavy).
+    # Cheaper still for kubelet: an httpGet probe on the metrics listener's /healthz (docs/deploy.md).
     import httpx
-
-    from .server import DEFAULT_SOCKET
 
     settings = _settings(args)
     path = Path(settings.socket) if settings.socket else DEFAULT_SOCKET
     route = "/readyz" if args.ready else "/healthz"
+
+    def unhealthy(message: str, **fields) -> int:
+        if args.json:
+            print(json.dumps({"status": "unavailable", "socket": str(path), "error": message, **fields}))
+        json_lines = (args.log_format or settings.log_format) == "json"
+        return _error(f"streamer-service health: {message}", EXIT_ERROR, json_lines=json_lines, command="health")
+
     try:
         with httpx.Client(transport=httpx.HTTPTransport(uds=str(path)), base_url="http://daemon", timeout=5) as client:
             reply = client.get(route)
     except httpx.HTTPError as exc:
-        print(f"streamer-service health: no daemon answers at {path}: {exc}", file=sys.stderr)
-        return EXIT_ERROR
+        return unhealthy(f"no daemon answers at {path}: {exc}")
     if reply.status_code != 200:
-        print(f"streamer-service health: {route} answered {reply.status_code}", file=sys.stderr)
-        return EXIT_ERROR
-    print(reply.json().get("status"))
-    return 0
+        return unhealthy(f"{route} answered {reply.status_code}", http_status=reply.status_code)
+    body = reply.json()
+    print(json.dumps({**body, "socket": str(path)}) if args.json else body.get("status"))
+    return EXIT_OK
+
+
+class _Version(argparse.Action):
+    """``--version``: our versions and Run:ai's, looked up only when asked (no import at parse time)."""
+
+    def __init__(self, option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, help=None) -> None:  # noqa: A002
+        super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        from .metrics import build_info
+
+        info = build_info(get_settings().build_revision)
+        print(
+            f"streamer-service {info['version']} (streamer-client {info['client_version']}, "
+            f"runai-model-streamer {info['runai_version']}, Python {info['python_version']}, revision {info['revision']})"
+        )
+        parser.exit()
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="streamer-service",
         description="Object-storage checkpoint streaming with node-local shared-memory fan-out.",
     )
+    parser.add_argument("--version", action=_Version, help="print the versions of streamer-service, its client and Run:ai, and exit")
     parser.add_argument("--log-level", help="DEBUG, INFO (default), WARNING, ERROR (STREAMER_LOG_LEVEL)")
     parser.add_argument("--log-format", choices=["text", "json"], help="text (default) or json lines (STREAMER_LOG_FORMAT)")
     bars = parser.add_mutually_exclusive_group()
@@ -111,8 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
     pull.set_defaults(run=cmd_pull)
 
     inspect = sub.add_parser("inspect", help="print the tensor table of a checkpoint")
-    inspect.add_argument("uri")
-    inspect.add_argument("--json", action="store_true", help="one JSON object per tensor")
+    inspect.add_argument("uri", help="s3://bucket/prefix, gs://bucket/prefix, az://container/prefix or a local dir")
+    inspect.add_argument("--json", action="store_true", help="one JSON object per tensor instead of a table")
     inspect.add_argument("--cache-dir", help="cache root (STREAMER_CACHE_DIR)")
     inspect.set_defaults(run=cmd_inspect)
 
@@ -126,12 +154,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--allow", action="append", default=[], metavar="PREFIX", help="URI prefix the daemon may read (repeatable)")
     serve.add_argument("--group-access", action="store_true", help="socket 0660 and segments 0640 (STREAMER_GROUP_ACCESS)")
-    serve.add_argument("--tcp-port", type=int, help="also listen on 127.0.0.1:PORT; needs STREAMER_TOKEN")
+    serve.add_argument("--tcp-port", type=int, help="also listen on 127.0.0.1:PORT; needs STREAMER_TOKEN (STREAMER_TCP_PORT)")
+    serve.add_argument("--metrics-port", type=int, metavar="PORT",
+                       help="serve read-only /metrics and /healthz on PORT for Prometheus and probes (STREAMER_METRICS_PORT; default: off)")
+    serve.add_argument("--metrics-host", metavar="ADDR", help="address of the metrics listener (STREAMER_METRICS_HOST; default 0.0.0.0)")
     serve.set_defaults(run=cmd_serve)
 
     health = sub.add_parser("health", help="ask the daemon whether it is up (exit 0) or ready (--ready)")
-    health.add_argument("--socket")
-    health.add_argument("--ready", action="store_true")
+    health.add_argument("--socket", help="the daemon's unix socket (STREAMER_SOCKET; default /run/streamer-service/daemon.sock)")
+    health.add_argument("--ready", action="store_true", help="ask /readyz (the daemon takes sessions) instead of /healthz (it is up)")
+    health.add_argument("--json", action="store_true", help="print the daemon's whole answer as one JSON object")
     health.set_defaults(run=cmd_health)
 
     demo = sub.add_parser("demo", help="the main job on a sample checkpoint (no cloud needed)")
@@ -148,7 +180,49 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _json_requested(argv: Sequence[str]) -> bool:
+    """``--log-format json`` on the command line, else ``STREAMER_LOG_FORMAT=json``: known before the
+    arguments parse, so that even a usage error comes out as a JSON line."""
+    argv = list(argv)
+    for i, word in enumerate(argv):
+        if word == "--log-format" and i + 1 < len(argv):
+            return argv[i + 1] == "json"
+        if word.startswith("--log-format="):
+            return word.partition("=")[2] == "json"
+    try:
+        return get_settings().log_format == "json"
+    except Exception:  # noqa: BLE001 - a bad variable is reported later, as a usage error
+        return False
+
+
+def _error(message: str, code: int, *, json_lines: bool, command: str | None, exc: BaseException | None = None) -> int:
+    """Report an error that ends the command on stderr, as text or as one JSON line (docs/daemon.md, "Exit codes")."""
+    if not json_lines:
+        print(message, file=sys.stderr)
+        return code
+    record = logging.LogRecord("streamer_service.cli", logging.ERROR, __file__, 0, message, None, None)
+    record.command = command
+    record.exit_code = code
+    if exc is not None:
+        record.error = type(exc).__name__
+        record.uri = getattr(exc, "uri", None)
+        record.key = getattr(exc, "key", None)
+    print(logs.JsonFormatter().format(record), file=sys.stderr)
+    return code
+
+
+class _Parser(argparse.ArgumentParser):
+    json_lines = False  # set by main() before parsing; subcommand parsers are of this class too
+
+    def error(self, message: str):  # argparse: usage errors exit 2
+        if not _Parser.json_lines:
+            super().error(message)
+        self.exit(_error(f"{self.prog}: error: {message}", EXIT_USAGE, json_lines=True, command=None))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    _Parser.json_lines = _json_requested(argv)
     args = build_parser().parse_args(argv)
     try:
         settings = get_settings()
@@ -157,19 +231,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ValueError(f"unknown log level {level!r}")
         fmt = args.log_format or settings.log_format
     except Exception as exc:  # noqa: BLE001 - a bad STREAMER_* variable is a usage error
-        print(f"streamer-service: invalid configuration: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return _error(f"streamer-service: invalid configuration: {exc}", EXIT_USAGE, json_lines=args.log_format == "json",
+                      command=args.command, exc=exc)  # fmt: skip
     logs.configure(level, fmt)
+    json_lines = fmt == "json"
     try:
         return args.run(args)
     except StreamerError as exc:
-        print(f"streamer-service {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_ERROR
+        return _error(f"streamer-service {args.command}: error: {exc}", EXIT_ERROR, json_lines=json_lines, command=args.command, exc=exc)
     except ValidationError as exc:
-        print(f"streamer-service {args.command}: invalid setting: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return _error(f"streamer-service {args.command}: invalid setting: {exc}", EXIT_USAGE, json_lines=json_lines,
+                      command=args.command, exc=exc)  # fmt: skip
     except KeyboardInterrupt:
-        return 130
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

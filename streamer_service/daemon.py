@@ -16,7 +16,7 @@ from streamer_client.errors import SessionError, StorageAccessDeniedError, Strea
 
 from .checkpoint import open_checkpoint
 from .metadata import MetadataCache
-from .metrics import Metrics
+from .metrics import Metrics, build_info
 from .plan import select as select_tensors
 from .resident import ResidentStore
 from .runai import check_credentials, storage_environment
@@ -63,7 +63,7 @@ class Daemon:
         self.store: SegmentStore | None = None
         self.pool: SegmentPool | None = None
         self._allow = [parse_uri(p).normalized for p in settings.allow]
-        self.metrics = Metrics(self.stats)
+        self.metrics = Metrics(self.stats, build=build_info(settings.build_revision))
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -219,7 +219,15 @@ class Daemon:
 
     def _ended(self, session: Session) -> None:
         summary = session.summary()
-        self.metrics.session_ended(summary, session.checkpoint.uri.scheme.value, session.stats.read_seconds)
+        union = set().union(*(r.names for r in session.ranks.values()))
+        self.metrics.session_ended(
+            summary,
+            session.checkpoint.uri.scheme.value,
+            session.stats.read_seconds,
+            unique_bytes=sum(t.nbytes for t in session.checkpoint.catalog.tensors if t.name in union),
+            times=session.times,
+            error=type(session.error).__name__ if session.error is not None else None,
+        )
         with self._lock:
             if self.sessions.get(session.key) is session:
                 del self.sessions[session.key]

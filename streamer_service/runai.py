@@ -71,6 +71,7 @@ __all__ = [
     "S3Credentials",
     "installed_versions",
     "storage_environment",
+    "read_parallelism_in_force",
 ]
 
 log = logging.getLogger(__name__)
@@ -131,7 +132,46 @@ def storage_environment(settings: Settings) -> dict[str, str]:
     }
     if settings.storage_retries > 0:
         env["RUNAI_STREAMER_S3_MAX_RETRIES"] = str(settings.storage_retries)
+    # Read parallelism (docs/configuration.md, "Read parallelism"): only what the operator set.
+    for name, value in _read_parallelism(settings).items():
+        if value is not None:
+            env[name] = str(value)
     return env
+
+
+READ_PARALLELISM_DEFAULTS = {
+    "RUNAI_STREAMER_OBJ_CONCURRENCY": "8",
+    "RUNAI_STREAMER_S3_TARGET_GBPS": "10",
+    "RUNAI_STREAMER_CHUNK_BYTESIZE": "8388608",
+}
+"""Run:ai 0.17.0's defaults for the read-parallelism variables (object storage), for the report."""
+
+
+def _read_parallelism(settings: Settings) -> dict[str, int | None]:
+    return {
+        "RUNAI_STREAMER_OBJ_CONCURRENCY": settings.obj_concurrency,
+        "RUNAI_STREAMER_S3_TARGET_GBPS": settings.s3_target_gbps,
+        "RUNAI_STREAMER_CHUNK_BYTESIZE": int(settings.read_chunk_size) if settings.read_chunk_size is not None else None,
+    }
+
+
+def read_parallelism_in_force(settings: Settings, environ: Mapping[str, str] = os.environ) -> dict[str, dict[str, str]]:
+    """What Run:ai's reader will use for each read-parallelism variable, and where it comes from:
+    ``environment`` (the operator set Run:ai's variable: it wins), ``settings`` (ours), or
+    ``run:ai default``. Logged at start-up and reported by ``/readyz``. A ``RUNAI_STREAMER_CONCURRENCY``
+    the operator set is Run:ai's fallback for the object-storage concurrency, so it is reported too."""
+    ours = _read_parallelism(settings)
+    report = {}
+    for name, default in READ_PARALLELISM_DEFAULTS.items():
+        if name in environ:
+            report[name] = {"value": environ[name], "source": "environment"}
+        elif ours[name] is not None:
+            report[name] = {"value": str(ours[name]), "source": "settings"}
+        elif name == "RUNAI_STREAMER_OBJ_CONCURRENCY" and "RUNAI_STREAMER_CONCURRENCY" in environ:
+            report[name] = {"value": environ["RUNAI_STREAMER_CONCURRENCY"], "source": "environment (RUNAI_STREAMER_CONCURRENCY)"}
+        else:
+            report[name] = {"value": default, "source": "run:ai default"}
+    return report
 
 
 class _ProcessEnvironment:

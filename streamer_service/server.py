@@ -19,13 +19,13 @@ import uvicorn
 from streamer_client.errors import ConfigError
 
 from .api import create_app
-from .settings import Settings
+from .runai import read_parallelism_in_force
+from .scrape import MetricsListener
+from .settings import DEFAULT_SOCKET, Settings
 
 __all__ = ["DEFAULT_SOCKET", "ChildDaemon", "serve", "bind_unix_socket"]
 
 log = logging.getLogger(__name__)
-
-DEFAULT_SOCKET = Path("/run/streamer-service/daemon.sock")
 
 
 def bind_unix_socket(path: Path, mode: int = 0o600) -> socket.socket:
@@ -70,29 +70,53 @@ def serve(settings: Settings, *, socket_mode: int = 0o600) -> int:
     path = Path(settings.socket) if settings.socket else DEFAULT_SOCKET
     if settings.tcp_port is not None and not (settings.token and settings.token.get_secret_value()):
         raise ConfigError("--tcp-port needs a bearer token in STREAMER_TOKEN")
-    sockets = [bind_unix_socket(path, socket_mode)]
-    # SecretStr fields (token, Azure key, SAS, connection string) dump as "**********".
-    log.debug("settings: %s", settings.model_dump_json())
-    log.info("serving on unix socket %s (mode %o)", path, socket_mode, extra={"socket": str(path)})
-    if settings.tcp_port is not None:
-        sockets.append(bind_loopback(settings.tcp_port))
-        log.info("serving on 127.0.0.1:%d (bearer token required)", settings.tcp_port)
-    config = uvicorn.Config(
-        create_app(settings),
-        log_level=settings.log_level.lower(),
-        log_config=None,  # uvicorn's records go to our handler, in STREAMER_LOG_FORMAT (logs.py)
-        access_log=False,
-        timeout_graceful_shutdown=3,
-        lifespan="on",
-    )
+    if settings.metrics_port is not None and settings.metrics_port == settings.tcp_port:
+        raise ConfigError(f"--metrics-port {settings.metrics_port} is also --tcp-port: give the metrics listener a port of its own")
+    app = create_app(settings)
+    listener = None
+    if settings.metrics_port is not None:  # bound first: a port in use stops the start, leaving nothing behind
+        listener = MetricsListener(settings.metrics_host, settings.metrics_port, lambda: _render_metrics(app), path)
+    sockets: list[socket.socket] = []
     try:
+        sockets.append(bind_unix_socket(path, socket_mode))
+        # SecretStr fields (token, Azure key, SAS, connection string) dump as "**********".
+        log.debug("settings: %s", settings.model_dump_json())
+        log.info("serving on unix socket %s (mode %o)", path, socket_mode, extra={"socket": str(path)})
+        if settings.tcp_port is not None:
+            sockets.append(bind_loopback(settings.tcp_port))
+            log.info("serving on 127.0.0.1:%d (bearer token required)", settings.tcp_port)
+        in_force = read_parallelism_in_force(settings)
+        log.info(
+            "Run:ai reads: %s",
+            ", ".join(f"{name}={v['value']} ({v['source']})" for name, v in in_force.items()),
+            extra={"read_parallelism": in_force},
+        )
+        if listener is not None:
+            listener.start()
+        config = uvicorn.Config(
+            app,
+            log_level=settings.log_level.lower(),
+            log_config=None,  # uvicorn's records go to our handler, in STREAMER_LOG_FORMAT (logs.py)
+            access_log=False,
+            timeout_graceful_shutdown=3,
+            lifespan="on",
+        )
         uvicorn.Server(config).run(sockets=sockets)
     finally:
+        if listener is not None:
+            listener.close()
         for sock in sockets:
             sock.close()
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+        if sockets:
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
     return 0
+
+
+def _render_metrics(app) -> bytes | None:
+    """The daemon's metrics text, or None before the app's lifespan has started the daemon."""
+    daemon = getattr(app.state, "daemon", None)
+    return daemon.metrics.render() if daemon is not None else None
 
 
 class ChildDaemon:

@@ -32,6 +32,7 @@ from streamer_client.errors import ObjectChangedError, ObjectNotFoundError, Sess
 from .catalog import TensorInfo
 from .checkpoint import Checkpoint
 from .engine import BUFFERED_FS_STRATEGY
+from .metrics import LoadTimes
 from .pipeline import Load, LoadStats, Pipeline
 from .plan import Batch, BatchKind, Plan, build_plan
 from .resident import ResidentCopy, ResidentStore
@@ -134,6 +135,7 @@ class Session:
         self.error: StreamerError | None = None
         self.ranks: dict[int, RankState] = {}
         self.stats = LoadStats()
+        self.times = LoadTimes()  # for the load-duration and first-tensor histograms
         # (group key, rank): a session for one rank coming back to its group's load after dying.
         self.rejoin = rejoin
         self.resident_bytes = 0  # handed out from memory kept by earlier loads
@@ -224,6 +226,7 @@ class Session:
         first = [t for t in catalog.tensors if t.name in union and t.name in self._priority]
         rest = [t for t in catalog.tensors if t.name in union and t.name not in self._priority]
         self.state = SessionState.STREAMING
+        self.times.mark("started")
         now = self._clock()
         for r in self.ranks.values():
             r.last_seen = now
@@ -298,6 +301,7 @@ class Session:
                     handles = [self._resident_handle(index, t) for t in tensors if t.name in r.names]
                     if handles:
                         r.queue.extend(handles)
+                        self.times.mark("first_ready")
                         r.outstanding.add(index)
                         refs += 1
                 if refs:
@@ -397,6 +401,7 @@ class Session:
                 ]
                 if handles:
                     r.queue.extend(handles)
+                    self.times.mark("first_ready")
                     if segment is not None:
                         r.outstanding.add(load.index)
                         refs += 1
@@ -525,6 +530,7 @@ class Session:
         if self.state in (SessionState.DONE, SessionState.FAILED):
             return
         self.state = state
+        self.times.mark("ended")
         self._cond.notify_all()
         if self._thread is None:  # never started streaming: nothing else will call on_end
             self._on_end(self)

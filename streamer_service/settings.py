@@ -16,7 +16,10 @@ from typing import Literal
 from pydantic import AliasChoices, ByteSize, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-__all__ = ["Settings", "get_settings", "default_cache_dir"]
+__all__ = ["Settings", "get_settings", "default_cache_dir", "DEFAULT_SOCKET"]
+
+DEFAULT_SOCKET = Path("/run/streamer-service/daemon.sock")
+"""The daemon's socket when ``STREAMER_SOCKET`` is unset (``serve``, ``health``)."""
 
 
 def default_cache_dir() -> Path:
@@ -80,6 +83,18 @@ class Settings(BaseSettings):
     s3_addressing_style: Literal["auto", "path", "virtual"] = "auto"
     """boto3's S3 addressing style; ``path`` for most S3-compatible servers."""
 
+    # Read parallelism of Run:ai's native reader (docs/configuration.md, "Read parallelism"). None
+    # leaves Run:ai's default; runai.storage_environment passes a set value on.
+    obj_concurrency: int | None = Field(default=None, ge=1, le=1024)
+    """Object-storage clients Run:ai reads with at once (``RUNAI_STREAMER_OBJ_CONCURRENCY``; Run:ai: 8)."""
+
+    s3_target_gbps: int | None = Field(default=None, ge=1, le=10_000)
+    """Throughput target of each S3 client in Gbit/s (``RUNAI_STREAMER_S3_TARGET_GBPS``; the AWS CRT: 10)."""
+
+    read_chunk_size: ByteSize | None = Field(default=None, ge=5 * 1024**2, le=1024**3)
+    """Bytes one Run:ai read request asks for at once (``RUNAI_STREAMER_CHUNK_BYTESIZE``; Run:ai: 8 MiB from
+    object storage, 2 MiB from files; object storage needs at least 5 MiB)."""
+
     # Azure's account is not part of az:// URIs; these are the variables Run:ai's reader reads too.
     azure_storage_connection_string: SecretStr | None = Field(
         default=None, validation_alias=AliasChoices("AZURE_STORAGE_CONNECTION_STRING")
@@ -102,6 +117,16 @@ class Settings(BaseSettings):
 
     token: SecretStr | None = None
     """Bearer token the TCP listener requires (``Authorization: Bearer <token>``)."""
+
+    metrics_port: int | None = Field(default=None, ge=1, le=65535)
+    """Serve ``GET /metrics`` and ``GET /healthz`` on ``metrics_host:PORT`` (``serve --metrics-port``), read-only
+    and without a token, for Prometheus and kubelet probes. Unset: no such listener."""
+
+    metrics_host: str = "0.0.0.0"
+    """Address the metrics listener binds (``serve --metrics-host``); ``0.0.0.0`` so the pod IP is scraped."""
+
+    build_revision: str = "unknown"
+    """Source revision the image was built from (the Dockerfile sets it); reported in ``streamer_build_info``."""
 
     allow: list[str] = Field(default_factory=list)
     """URI prefixes the daemon may read (``--allow``, repeatable; JSON list in the environment).

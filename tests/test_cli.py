@@ -59,3 +59,102 @@ def test_cli_and_api_agree_on_the_torchrun_launch(tmp_path):
     marker = json.loads((Path(result.stdout.strip().splitlines()[-1]) / ".runai_complete").read_text())
     # The launch id the Python API derives for every torchrun rank: a forced CLI pull counts as one of them.
     assert marker["launch_id"] == "torchelastic-run-7"
+
+
+# --------------------------------------------------------------------------- conventions (issue 15)
+
+
+def _walk_arguments():
+    """(command, action) for every argument of the top-level parser and of every subcommand."""
+    import argparse
+
+    from streamer_service.cli import build_parser
+
+    parser = build_parser()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                for sub_action in sub._actions:
+                    yield name, sub_action
+        else:
+            yield "streamer-service", action
+
+
+def test_every_argument_of_every_command_has_help():
+    import argparse
+
+    seen = set()
+    for command, action in _walk_arguments():
+        seen.add(command)
+        if isinstance(action, argparse._HelpAction):
+            continue
+        name = "/".join(action.option_strings) or action.dest
+        assert action.help and action.help.strip(), f"{command} {name}: no help text"
+    assert {"pull", "inspect", "serve", "health", "demo", "bench"} <= seen
+
+
+def test_version_names_our_and_runais_versions():
+    import importlib.metadata
+
+    result = run("--version")
+    assert result.returncode == 0, result.stderr
+    line = result.stdout.strip()
+    assert line.startswith(f"streamer-service {importlib.metadata.version('streamer-service')} (")
+    assert f"runai-model-streamer {importlib.metadata.version('runai-model-streamer')}" in line
+    assert "streamer-client 0.1.0" in line
+
+
+def test_errors_are_json_lines_with_log_format_json(tmp_path):
+    import json
+
+    failed = run("--log-format", "json", "pull", "hdfs://nn/model")
+    assert failed.returncode == 1
+    record = json.loads(failed.stderr.strip())  # one line, one object
+    assert record["level"] == "ERROR" and record["command"] == "pull" and record["exit_code"] == 1
+    assert record["error"] == "InvalidURIError" and record["uri"] == "hdfs://nn/model"
+    assert record["message"].startswith("streamer-service pull: error: unsupported URI scheme 'hdfs://'")
+    usage = run("--log-format", "json", "pul")  # argparse's usage error, too
+    assert usage.returncode == 2
+    record = json.loads(usage.stderr.strip())
+    assert record["exit_code"] == 2 and "invalid choice: 'pul'" in record["message"]
+
+
+def test_health_json_answers_without_a_daemon(tmp_path):
+    import json
+
+    result = run("health", "--json", "--socket", str(tmp_path / "none.sock"))
+    assert result.returncode == 1
+    reply = json.loads(result.stdout)
+    assert reply["status"] == "unavailable" and reply["socket"] == str(tmp_path / "none.sock")
+    assert "no daemon answers" in reply["error"]
+
+
+def test_health_json_reports_readiness_and_read_parallelism(daemon):
+    import json
+    import os
+
+    d = daemon({"STREAMER_OBJ_CONCURRENCY": "32", "STREAMER_S3_TARGET_GBPS": "25"})
+    env = {**os.environ, "RUNAI_STREAMER_CHUNK_BYTESIZE": "16777216"}  # the operator's own: it wins, and is reported
+    result = run("health", "--ready", "--json", "--socket", str(d.socket), env=env)
+    assert result.returncode == 0, result.stderr
+    reply = json.loads(result.stdout)
+    assert reply["status"] == "ready" and reply["socket"] == str(d.socket)
+    # What the daemon's own environment puts in force (its process did not get the chunk size).
+    assert reply["read_parallelism"] == {
+        "RUNAI_STREAMER_OBJ_CONCURRENCY": {"value": "32", "source": "settings"},
+        "RUNAI_STREAMER_S3_TARGET_GBPS": {"value": "25", "source": "settings"},
+        "RUNAI_STREAMER_CHUNK_BYTESIZE": {"value": "8388608", "source": "run:ai default"},
+    }
+    log = d.log.read_text()
+    assert "Run:ai reads: RUNAI_STREAMER_OBJ_CONCURRENCY=32 (settings), RUNAI_STREAMER_S3_TARGET_GBPS=25 (settings)" in log
+
+
+def test_health_probe_imports_no_torch(tmp_path):
+    """`health` runs as an exec probe every few seconds: it must not pay for torch (seconds of CPU)."""
+    script = (
+        "import sys; from streamer_service import cli; "
+        f"code = cli.main(['health', '--socket', {str(tmp_path / 'none.sock')!r}]); "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'numpy', 'fastapi', 'uvicorn')))"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.stdout.strip() == "[]", result.stdout + result.stderr

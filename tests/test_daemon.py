@@ -80,12 +80,18 @@ def test_four_ranks_overlapping_selections_read_each_byte_once(backend, sample, 
     assert stats["bytes_read"] == unique
     scheme = "file" if backend.proxy is None else "s3"
     metrics = _scrape(d)
-    assert metrics[("streamer_storage_bytes_read_total", (("scheme", scheme),))] == unique
+    assert metrics[("streamer_storage_read_bytes_total", (("scheme", scheme),))] == unique
+    # The dashboard's "storage bytes / unique bytes": 1.0, each needed byte read once for the node.
+    assert metrics[("streamer_load_unique_bytes_total", (("scheme", scheme),))] == unique
+    assert metrics[("streamer_load_duration_seconds_count", (("scheme", scheme),))] == 1
+    assert metrics[("streamer_time_to_first_tensor_seconds_count", (("scheme", scheme),))] == 1
+    first = metrics[("streamer_time_to_first_tensor_seconds_sum", (("scheme", scheme),))]
+    assert 0 < first <= metrics[("streamer_load_duration_seconds_sum", (("scheme", scheme),))]
     for r in range(WORLD):
         want = sum(catalog[n].nbytes for n in selections[r])
-        assert metrics[("streamer_rank_bytes_delivered_total", (("rank", str(r)),))] == want
+        assert metrics[("streamer_rank_delivered_bytes_total", (("rank", str(r)),))] == want
     assert metrics[("streamer_sessions_total", (("outcome", "done"),))] == 1
-    assert metrics[("streamer_shm_bytes_in_use", ())] == 0
+    assert metrics[("streamer_shm_in_use_bytes", ())] == 0
     if backend.proxy is not None:
         served = _range_bytes(backend)
         assert unique <= served <= unique * 1.001, (served, unique)

@@ -36,6 +36,9 @@ DOCKERIGNORE = ROOT / ".dockerignore"
 CLIENT_CONFIG = ROOT / "client" / "streamer_client" / "_config.py"
 
 PROG = "streamer-service"
+# Memory a daemon container needs beyond STREAMER_SHM_BUDGET + STREAMER_RETENTION_BUDGET: one
+# oversized tensor (the largest tensor of the models served; 4Gi covers today's) and the process.
+DAEMON_HEADROOM = (4 * 2**30, 16 * 2**30)
 WORKLOAD_KINDS = {"Pod", "Deployment", "DaemonSet", "StatefulSet", "ReplicaSet", "Job", "CronJob"}
 # Variables of ours (Settings) and of the environment the settings read besides STREAMER_*.
 OWN_PREFIXES = ("STREAMER_", "TRTLLM_")
@@ -394,10 +397,42 @@ def test_shm_volume_holds_the_budget(daemons):
             host = PurePosixPath(volume["hostPath"]["path"])
             assert host.is_relative_to("/dev/shm"), f"{d.pod.where}: a hostPath shm dir belongs on the host's /dev/shm tmpfs"
             size = budget
-        # tmpfs pages count against the container that allocates them: the daemon.
-        limit = ((d.container.get("resources") or {}).get("limits") or {}).get("memory")
+        # tmpfs pages are charged to the memory cgroup of the process that touches them first:
+        # the daemon, which allocates every segment (docs/deploy.md, "Memory sizing").
+        resources = d.container.get("resources") or {}
+        limit = (resources.get("limits") or {}).get("memory")
         assert limit, f"{d.pod.where}: give the daemon a memory limit (its segments are charged to it)"
         assert _quantity(limit) > size, f"{d.pod.where}: memory limit {limit} must exceed the shm size {size}"
+        # The limit follows from the budgets: ring + resident copies + one oversized tensor and
+        # the process (DAEMON_HEADROOM); more than that is memory nobody accounted for.
+        headroom = _quantity(limit) - budget
+        assert DAEMON_HEADROOM[0] <= headroom <= DAEMON_HEADROOM[1], (
+            f"{d.pod.where}: memory limit {limit} is STREAMER_SHM_BUDGET + STREAMER_RETENTION_BUDGET + {headroom / 2**30:g}Gi; "
+            f"make the headroom (one oversized tensor + the process) {DAEMON_HEADROOM[0] // 2**30}-{DAEMON_HEADROOM[1] // 2**30}Gi"
+        )
+        assert (resources.get("requests") or {}).get("memory") == limit, f"{d.pod.where}: request the memory the limit allows"
+
+
+def test_engines_request_cpu_and_memory(daemons):
+    """The engine's own memory: what it maps of the daemon's segments is charged to the daemon."""
+    for d in daemons:
+        for pod, c, init in d.clients:
+            if init:
+                continue
+            requests = (c.get("resources") or {}).get("requests") or {}
+            assert requests.get("cpu") and requests.get("memory"), f"{pod.where} {c['name']}: CPU and memory requests"
+
+
+def test_node_daemons_have_a_priority_class_of_their_own(daemons):
+    classes = {doc["metadata"]["name"]: doc for _, doc in _documents() if doc.get("kind") == "PriorityClass"}
+    node = [d for d in daemons if d.pod.kind == "DaemonSet"]
+    assert node
+    for d in node:
+        name = d.pod.spec.get("priorityClassName")
+        assert name, f"{d.pod.where}: set a priorityClassName (preempt, not wait, on a full node)"
+        assert name.startswith("system-") or name in classes, f"{d.pod.where}: PriorityClass {name} is not defined in deploy/"
+        if name in classes:
+            assert classes[name]["value"] >= 1_000_000 and not classes[name].get("globalDefault"), name
 
 
 def test_daemon_paths_are_volumes(daemons):
@@ -462,30 +497,71 @@ def test_clients_read_only_allowed_uris(daemons):
                     )
 
 
-def _exec_probe(c: dict, kind: str) -> list[str] | None:
-    probe = c.get(kind)
-    if probe is None:
-        return None
-    assert set(probe) & {"exec", "httpGet", "tcpSocket", "grpc"} == {"exec"}, (
-        f"{c['name']} {kind}: the daemon answers only on its unix socket: use an exec probe"
-    )
-    assert probe.get("timeoutSeconds", 1) >= 5, f"{c['name']} {kind}: the CLI needs seconds to start (timeoutSeconds)"
-    return [str(a) for a in probe["exec"]["command"]]
+def _container_port(c: dict, port: int | str) -> int | None:
+    """The container port a probe's or monitor's ``port`` (a number or a port name) refers to."""
+    if isinstance(port, int):
+        return port
+    return next((p["containerPort"] for p in c.get("ports") or [] if p.get("name") == port), None)
 
 
-def test_daemon_probes_run_the_health_command(daemons, settings_env):
+def test_daemon_probes_ask_healthz_on_the_metrics_port_or_run_the_health_command(daemons, settings_env):
+    """kubelet's HTTP probe on the metrics listener's /healthz (cheap: no process started), or an
+    exec probe running `streamer-service health` against the daemon's own socket."""
     for d in daemons:
         env = _env(d.container)
-        for kind, ready in (("readinessProbe", True), ("livenessProbe", False), ("startupProbe", None)):
-            argv = _exec_probe(d.container, kind)
-            if argv is None:
-                assert kind == "startupProbe", f"{d.pod.where}: the daemon needs a {kind}"
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            probe = d.container.get(kind)
+            assert probe is not None, f"{d.pod.where}: the daemon needs a {kind}"
+            assert len(set(probe) & {"exec", "httpGet", "tcpSocket", "grpc"}) == 1, f"{d.pod.where} {kind}"
+            if "httpGet" in probe:
+                get = probe["httpGet"]
+                assert get["path"] == "/healthz", f"{d.pod.where} {kind}: the metrics listener answers probes at /healthz"
+                assert d.settings.metrics_port is not None, f"{d.pod.where} {kind}: an HTTP probe needs --metrics-port"
+                assert _container_port(d.container, get["port"]) == d.settings.metrics_port, (
+                    f"{d.pod.where} {kind}: port {get['port']} is not the metrics port {d.settings.metrics_port}"
+                )
                 continue
-            args, settings = _effective(argv, env, settings_env)
-            assert args.command == "health", f"{d.pod.where} {kind}: {argv}"
-            if ready is not None:
-                assert args.ready is ready, f"{d.pod.where} {kind}: {'with' if ready else 'without'} --ready"
+            assert "exec" in probe, f"{d.pod.where} {kind}: the API is on a unix socket: httpGet on the metrics port, or exec"
+            assert probe.get("timeoutSeconds", 1) >= 5, f"{d.pod.where} {kind}: the CLI needs seconds to start (timeoutSeconds)"
+            args, settings = _effective([str(a) for a in probe["exec"]["command"]], env, settings_env)
+            assert args.command == "health", f"{d.pod.where} {kind}: {probe['exec']['command']}"
             assert settings.socket == d.settings.socket, f"{d.pod.where} {kind}: asks another socket"
+
+
+def test_daemons_serve_metrics_that_a_pod_monitor_scrapes(daemons):
+    monitors = [doc for _, doc in _documents() if doc.get("kind") == "PodMonitor"]
+    assert monitors, "no PodMonitor in deploy/"
+    for d in daemons:
+        assert d.settings.metrics_port is not None, f"{d.pod.where}: serve --metrics-port (Prometheus cannot reach the socket)"
+        labels = _template_labels(d.pod)
+        scraping = [m for m in monitors if _selects(m["spec"]["selector"], labels)]
+        assert len(scraping) == 1, f"{d.pod.where}: {len(scraping)} PodMonitors select this pod (labels {labels})"
+        for endpoint in scraping[0]["spec"]["podMetricsEndpoints"]:
+            assert endpoint.get("path", "/metrics") == "/metrics"
+            assert _container_port(d.container, endpoint["port"]) == d.settings.metrics_port, (
+                f"{d.pod.where}: PodMonitor port {endpoint['port']} is not the daemon's metrics port"
+            )
+
+
+def _template_labels(pod: Pod) -> dict[str, str]:
+    for path, doc in _documents():
+        if path == pod.path and doc.get("kind") == pod.kind and doc["metadata"]["name"] == pod.name:
+            meta = doc["metadata"] if pod.kind == "Pod" else doc["spec"]["template"]["metadata"]
+            return meta.get("labels") or {}
+    raise AssertionError(pod.where)
+
+
+def _selects(selector: dict, labels: dict[str, str]) -> bool:
+    """A Kubernetes label selector (matchLabels, matchExpressions In/NotIn/Exists/DoesNotExist)."""
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for e in selector.get("matchExpressions") or []:
+        key, op, values = e["key"], e["operator"], e.get("values") or []
+        ok = {"In": labels.get(key) in values, "NotIn": labels.get(key) not in values,
+              "Exists": key in labels, "DoesNotExist": key not in labels}[op]  # fmt: skip
+        if not ok:
+            return False
+    return True
 
 
 def test_containers_run_as_non_root():

@@ -78,9 +78,9 @@ def test_vllm_example_two_ranks_through_a_daemon_read_each_byte_once(llama, tmp_
             assert torch.equal(loaded[name], want), name
     # Two ranks, every tensor each: the node read each byte once.
     assert stats["bytes_read"] == total
-    assert metrics[("streamer_storage_bytes_read_total", (("scheme", "file"),))] == total
-    assert metrics[("streamer_rank_bytes_delivered_total", (("rank", "0"),))] == total
-    assert metrics[("streamer_rank_bytes_delivered_total", (("rank", "1"),))] == total
+    assert metrics[("streamer_storage_read_bytes_total", (("scheme", "file"),))] == total
+    assert metrics[("streamer_rank_delivered_bytes_total", (("rank", "0"),))] == total
+    assert metrics[("streamer_rank_delivered_bytes_total", (("rank", "1"),))] == total
     seconds = metrics[("streamer_storage_read_seconds_total", (("scheme", "file"),))]
     rate = metrics[("streamer_last_session_read_bytes_per_second", (("scheme", "file"),))]
     assert seconds > 0 and rate == pytest.approx(total / seconds)

@@ -123,7 +123,7 @@ def test_second_load_is_served_from_memory_with_no_storage_read(backend, sample,
     assert stats["resident_bytes_served"] == union
     with d.client() as c:
         metrics = {s.name: s.value for f in text_string_to_metric_families(c.get("/metrics").text) for s in f.samples}
-    assert metrics["streamer_resident_bytes_served_total"] == union
+    assert metrics["streamer_resident_served_bytes_total"] == union
     assert metrics["streamer_resident_bytes"] == stats["resident_bytes"]
     assert sorted(p.name for p in d.shm_dir.iterdir()) == segments  # served from the same segments
     assert stats["shm_in_use"] == 0  # ring budget untouched: the retention budget holds the copy
