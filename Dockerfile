@@ -9,7 +9,10 @@
 # and runs `streamer-service serve` as a fixed non-root UID/GID (10001), the UID the inference
 # containers must share (docs/deploy.md, "Socket and segment permissions").
 
-ARG PYTHON_IMAGE=python:3.11-slim
+# The base by digest, so that a rebuild gets the same bytes; refresh it deliberately with
+# `docker buildx imagetools inspect python:3.11-slim-bookworm` (the index digest) and rebuild.
+# bookworm: its glibc (2.36) is the platform requirements.lock was resolved for (scripts/lock).
+ARG PYTHON_IMAGE=python:3.11-slim-bookworm@sha256:a36c24f9cbdf4fd0f52d67f0823eeac19c2028c637cecc392d97f980d4fec56b
 
 # ---------------------------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS builder
@@ -21,25 +24,26 @@ ENV PIP_NO_CACHE_DIR=1 \
 RUN python -m venv /opt/streamer-service
 ENV PATH=/opt/streamer-service/bin:$PATH
 
-# torch first, from the CPU wheel index. The daemon never touches a GPU: it reads ranges into
-# shared memory and the ranks copy to their own GPUs. An unpinned `torch` from PyPI is the
-# multi-GB CUDA build (plus the nvidia-* wheels); `+cpu` exists only on the CPU index, so the
-# extra index is the one that serves it and PyPI serves torch's own dependencies. Keep the
-# version in step with scripts/bootstrap. (aarch64: the CPU index names its wheels without
-# `+cpu`; build with --build-arg TORCH_SPEC=torch==2.13.0.)
+# Every dependency from requirements.lock, each wheel checked against its sha256 (pip
+# --require-hashes); nothing is resolved at build time. torch is the CPU build: the daemon never
+# touches a GPU, and an unpinned `torch` from PyPI is the multi-GB CUDA build (plus the nvidia-*
+# wheels). `+cpu` exists only on PyTorch's CPU index, hence the extra index; the lock fixes which
+# file. The lock is for x86_64 (scripts/lock; tests/test_image.py checks it has not drifted).
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-ARG TORCH_SPEC=torch==2.13.0+cpu
-# hadolint ignore=DL3013
-RUN pip install --extra-index-url "${TORCH_INDEX_URL}" "${TORCH_SPEC}"
-
 WORKDIR /src
-# The thin client first: streamer-service pins streamer-client==0.1.0, satisfied by ./client.
+COPY requirements.lock ./
+RUN pip install --require-hashes --no-deps --extra-index-url "${TORCH_INDEX_URL}" -r requirements.lock
+
+# The two local packages on top, without dependencies (all in the lock already): the thin client
+# first, since streamer-service pins streamer-client==0.1.0. `pip check` fails the build when the
+# lock misses a requirement; the import check fails it, not the first pod, when a module of the
+# daemon path needs something pyproject.toml does not declare. (Building these two wheels fetches
+# setuptools into pip's isolated build env; it is not installed in the venv.)
 COPY client/ client/
 COPY pyproject.toml README.md ./
 COPY streamer_service/ streamer_service/
-# The import check fails the build, not the first pod, when a dependency of the daemon path is
-# missing from pyproject.toml.
-RUN pip install ./client . \
+RUN pip install --no-deps ./client . \
+    && pip check \
     && python -c "import streamer_service.server, streamer_service.api, streamer_service.daemon" \
     && streamer-service --help > /dev/null
 
@@ -48,6 +52,21 @@ FROM ${PYTHON_IMAGE} AS runtime
 
 ARG STREAMER_UID=10001
 ARG STREAMER_GID=10001
+# Pass the real ones when building a release:
+#   docker build --build-arg REVISION="$(git rev-parse HEAD)" --build-arg SOURCE=<repository URL> .
+ARG VERSION=0.1.0
+ARG REVISION=unknown
+ARG SOURCE=unknown
+ARG PYTHON_IMAGE
+
+# OCI image annotations (https://github.com/opencontainers/image-spec/blob/main/annotations.md).
+LABEL org.opencontainers.image.title="streamer-service" \
+      org.opencontainers.image.description="Per-node checkpoint streaming daemon: object storage to shared memory, once per node" \
+      org.opencontainers.image.version="${VERSION}" \
+      org.opencontainers.image.revision="${REVISION}" \
+      org.opencontainers.image.source="${SOURCE}" \
+      org.opencontainers.image.licenses="Apache-2.0" \
+      org.opencontainers.image.base.name="${PYTHON_IMAGE}"
 
 # A system user with no home and no shell; the socket and cache dirs owned by it (a named Docker
 # volume mounted there starts with this ownership; Kubernetes mounts emptyDirs over them).
@@ -70,6 +89,7 @@ ENV PATH=/opt/streamer-service/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     HOME=/tmp \
+    STREAMER_BUILD_REVISION=${REVISION} \
     STREAMER_SOCKET=/run/streamer/daemon.sock \
     STREAMER_SHM_DIR=/dev/shm \
     STREAMER_CACHE_DIR=/var/cache/streamer-service
@@ -78,8 +98,8 @@ ENV PATH=/opt/streamer-service/bin:$PATH \
 USER 10001:10001
 WORKDIR /tmp
 
-# The daemon speaks HTTP only on its unix socket: the check is the CLI, which asks /readyz.
-# Python + torch import alone takes a few seconds on a busy node; hence the timeout.
+# The API is on the unix socket, and the metrics listener is off unless --metrics-port is
+# given: the check is the CLI, which asks /readyz (it imports neither torch nor the daemon).
 HEALTHCHECK --interval=30s --timeout=15s --start-period=60s --retries=3 \
     CMD ["streamer-service", "health", "--ready"]
 

@@ -57,7 +57,9 @@ class DaemonProcess:
     the machine. Ranks then join that namespace (``nsenter``); :meth:`view` reads its files.
     """
 
-    def __init__(self, root: Path, env: dict[str, str], *extra: str, tmpfs: dict[Path, str] | None = None) -> None:
+    def __init__(
+        self, root: Path, env: dict[str, str], *extra: str, tmpfs: dict[Path, str] | None = None, wrap: list[str] | None = None
+    ) -> None:
         self.socket = root / "daemon.sock"
         self.shm_dir = root / "shm"
         self.shm_dir.mkdir(exist_ok=True)
@@ -67,6 +69,7 @@ class DaemonProcess:
         self.env = {**os.environ, "STREAMER_SEGMENT_IDLE_S": "0", **env, "STREAMER_SHM_DIR": str(self.shm_dir)}
         self.extra = extra
         self.tmpfs = dict(tmpfs or {})
+        self.wrap = list(wrap or [])  # a command the daemon's command line is appended to (e.g. joining a cgroup)
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "DaemonProcess":
@@ -74,6 +77,7 @@ class DaemonProcess:
         if self.tmpfs:
             mounts = " && ".join(f"mount -t tmpfs -o size={size} tmpfs {shlex.quote(str(d))}" for d, size in self.tmpfs.items())
             cmd = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", f'{mounts} && exec "$@"', "sh", *cmd]
+        cmd = [*self.wrap, *cmd]
         self.proc = subprocess.Popen(cmd, env=self.env, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -119,9 +123,9 @@ class DaemonProcess:
     def rank_env(self, **extra: str) -> dict[str, str]:
         return {**self.env, "STREAMER_SOCKET": str(self.socket), **extra}
 
-    def start_rank(self, uri: str, rank: int, world: int, truth_dir: Path, select, **env: str) -> subprocess.Popen:
+    def start_rank(self, uri: str, rank: int, world: int, truth_dir: Path, select, wrap=(), **env: str) -> subprocess.Popen:
         return subprocess.Popen(
-            [*self._prefix(), sys.executable, "-c", RANK_SCRIPT, uri, str(rank), str(world), str(truth_dir), json.dumps(select)],
+            [*wrap, *self._prefix(), sys.executable, "-c", RANK_SCRIPT, uri, str(rank), str(world), str(truth_dir), json.dumps(select)],
             env=self.rank_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
 

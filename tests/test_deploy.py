@@ -705,10 +705,12 @@ def test_dockerfile_is_multi_stage_on_slim_python():
     assert "download.pytorch.org/whl/cpu" in DOCKERFILE.read_text(), "CPU torch: the daemon never needs CUDA"
 
 
-def test_dockerfile_torch_matches_bootstrap():
+def test_image_torch_matches_bootstrap():
+    """The image's torch (requirements.lock, from requirements.in) is the CPU build of the version
+    the tests run with."""
     pinned = re.search(r"torch==([\w.]+)", (ROOT / "scripts" / "bootstrap").read_text())
-    spec = _stage_args(_stages()[0]).get("TORCH_SPEC", "")
-    assert pinned and re.fullmatch(rf"torch=={re.escape(pinned.group(1))}(\+cpu)?", spec), (spec, pinned)
+    locked = re.search(r"^torch==(\S+) ", (ROOT / "requirements.lock").read_text(), re.M)
+    assert pinned and locked and locked.group(1) == f"{pinned.group(1)}+cpu", (locked, pinned)
 
 
 def test_dockerfile_runs_as_a_fixed_non_root_uid():

@@ -1,0 +1,40 @@
+"""Run:ai's read parallelism as our settings: what reaches its environment, and what is reported."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from streamer_service.runai import read_parallelism_in_force, storage_environment
+from streamer_service.settings import Settings
+
+
+def test_set_values_reach_runais_variables_and_unset_ones_stay_unset():
+    env = storage_environment(Settings(obj_concurrency=32, s3_target_gbps=16, read_chunk_size="32MiB"))
+    assert env["RUNAI_STREAMER_OBJ_CONCURRENCY"] == "32"
+    assert env["RUNAI_STREAMER_S3_TARGET_GBPS"] == "16"
+    assert env["RUNAI_STREAMER_CHUNK_BYTESIZE"] == str(32 * 1024**2)
+    default = storage_environment(Settings())
+    assert not {"RUNAI_STREAMER_OBJ_CONCURRENCY", "RUNAI_STREAMER_S3_TARGET_GBPS", "RUNAI_STREAMER_CHUNK_BYTESIZE"} & set(default)
+
+
+def test_the_report_names_each_values_source():
+    settings = Settings(obj_concurrency=32)
+    report = read_parallelism_in_force(settings, environ={"RUNAI_STREAMER_S3_TARGET_GBPS": "40"})
+    assert report == {
+        "RUNAI_STREAMER_OBJ_CONCURRENCY": {"value": "32", "source": "settings"},
+        "RUNAI_STREAMER_S3_TARGET_GBPS": {"value": "40", "source": "environment"},  # the operator's own wins
+        "RUNAI_STREAMER_CHUNK_BYTESIZE": {"value": "8388608", "source": "run:ai default"},
+    }
+    # Run:ai's generic fallback, when ours is unset.
+    fallback = read_parallelism_in_force(Settings(), environ={"RUNAI_STREAMER_CONCURRENCY": "12"})
+    assert fallback["RUNAI_STREAMER_OBJ_CONCURRENCY"] == {"value": "12", "source": "environment (RUNAI_STREAMER_CONCURRENCY)"}
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("obj_concurrency", 0), ("obj_concurrency", 1025), ("s3_target_gbps", 0), ("read_chunk_size", "4MiB"), ("read_chunk_size", "2GiB")],
+)
+def test_values_run_ai_would_refuse_are_refused_here(field, value):
+    with pytest.raises(ValidationError, match=field):
+        Settings(**{field: value})
