@@ -38,3 +38,15 @@ def test_the_report_names_each_values_source():
 def test_values_run_ai_would_refuse_are_refused_here(field, value):
     with pytest.raises(ValidationError, match=field):
         Settings(**{field: value})
+
+
+def test_runai_reads_with_the_values_we_set(daemon, sample):
+    """Run:ai 0.17.0's own start-up line (at its DEBUG level) shows the values in force: the
+    settings reached its native reader, not only our log."""
+    from daemon_harness import finish
+
+    d = daemon({"STREAMER_OBJ_CONCURRENCY": "3", "STREAMER_READ_CHUNK_SIZE": "6MiB",
+                "RUNAI_STREAMER_LOG_LEVEL": "DEBUG", "RUNAI_STREAMER_LOG_TO_STDERR": "1"})  # fmt: skip
+    assert finish(d.start_rank(str(sample), 0, 1, sample, None))["bad"] == []
+    log = d.log.read_text()
+    assert "s3 concurrency 3 ; s3 block size 6291456 bytes" in log, log[-3000:]
