@@ -158,3 +158,15 @@ def test_health_probe_imports_no_torch(tmp_path):
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.stdout.strip() == "[]", result.stdout + result.stderr
+
+
+def test_exit_codes_table_matches_the_cli():
+    """docs/daemon.md, "Exit codes", is the one table of them: the codes main() returns."""
+    import re
+
+    from streamer_service import cli
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "daemon.md").read_text()
+    section = text[text.index("## Exit codes") :].split("\n## ", 1)[0]
+    documented = {int(code) for code in re.findall(r"^\| (\d+) \|", section, re.M)}
+    assert documented == {cli.EXIT_OK, cli.EXIT_ERROR, cli.EXIT_USAGE, cli.EXIT_INTERRUPTED}
