@@ -118,7 +118,7 @@ def test_ring_and_resident_copy_are_charged_to_the_daemon_not_the_ranks(cgroups,
     total = sum(t.nbytes for t in build_catalog(open_storage(parse_uri(str(sample)), Settings())).tensors)
     daemon_cg = cgroups("daemon", limit=4096 * MiB)  # the daemon container's limit
     ranks_cg = cgroups("ranks")  # the engine container
-    d = DaemonProcess(shm_root, {"STREAMER_RANK_TIMEOUT_S": "5"}, "--shm-budget", "8MiB",
+    d = DaemonProcess(shm_root, {"STREAMER_RANK_TIMEOUT_S": "300"}, "--shm-budget", "8MiB",
                       "--retention-budget", "256MiB", wrap=daemon_cg.wrap).start()  # fmt: skip
     try:
         before = daemon_cg.shmem()

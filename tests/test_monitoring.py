@@ -65,7 +65,7 @@ def scraped(tmp_path_factory) -> dict:
         for name in list(os.environ):
             if name.startswith(("STREAMER_", "AWS_", "GOOGLE_", "AZURE_")) and not name.startswith("STREAMER_TEST_"):
                 mp.delenv(name)
-        env = {"STREAMER_CACHE_DIR": str(root / "cache"), "STREAMER_RANK_TIMEOUT_S": "5"}
+        env = {"STREAMER_CACHE_DIR": str(root / "cache"), "STREAMER_RANK_TIMEOUT_S": "300"}
         d = DaemonProcess(root, env, "--metrics-port", str(port), "--metrics-host", "127.0.0.1", "--shm-budget", "8MiB").start()
         try:
             ranks = [d.start_rank(str(src), r, 2, src, None) for r in range(2)]

@@ -45,7 +45,8 @@ def test_runai_reads_with_the_values_we_set(daemon, sample):
     settings reached its native reader, not only our log."""
     from daemon_harness import finish
 
-    d = daemon({"STREAMER_OBJ_CONCURRENCY": "3", "STREAMER_READ_CHUNK_SIZE": "6MiB",
+    # A long rank timeout: on a loaded machine a healthy rank can be silent for seconds.
+    d = daemon({"STREAMER_RANK_TIMEOUT_S": "300", "STREAMER_OBJ_CONCURRENCY": "3", "STREAMER_READ_CHUNK_SIZE": "6MiB",
                 "RUNAI_STREAMER_LOG_LEVEL": "DEBUG", "RUNAI_STREAMER_LOG_TO_STDERR": "1"})  # fmt: skip
     assert finish(d.start_rank(str(sample), 0, 1, sample, None))["bad"] == []
     log = d.log.read_text()
