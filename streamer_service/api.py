@@ -10,7 +10,7 @@ from ``streamer_client.errors``, which the client raises again):
     POST /v1/metadata                               pull a URI's metadata; -> {"path"}
     POST /v1/sessions/join                          join a load as rank r; blocks until all ranks joined
     POST /v1/sessions/{id}/ranks/{rank}/next        release batches, long-poll ready handles
-    POST /v1/sessions/{id}/ranks/{rank}/leave       done (or abandoning): release everything
+    POST /v1/sessions/{id}/ranks/{rank}/leave       done, abandoning or failed ({"error"}): release everything
 """
 
 from __future__ import annotations
@@ -25,15 +25,17 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from streamer_client import errors
 
 from .daemon import Daemon
 from .metrics import CONTENT_TYPE
+from .process import peer_pid
 from .runai import read_parallelism_in_force
 from .settings import Settings
 
-__all__ = ["create_app"]
+__all__ = ["PEER_PID", "PeerCredentialsProtocol", "create_app"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,27 @@ _STATUS = [
     (errors.CacheLockTimeoutError, 504),
     (errors.StorageError, 502),
 ]
+
+
+PEER_PID = "streamer.peer_pid"
+"""ASGI scope key: the PID of the process at the other end of the unix socket (SO_PEERCRED)."""
+
+
+class PeerCredentialsProtocol(AutoHTTPProtocol):
+    """uvicorn's HTTP protocol, adding the peer's PID of a unix-socket connection to each request's
+    scope, so the daemon can watch a rank's process (issue 14.8). Imported only by ``serve``."""
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        pid = peer_pid(transport.get_extra_info("socket"))
+        if pid is not None:
+            app = self.app
+
+            async def with_peer(scope, receive, send) -> None:
+                scope[PEER_PID] = pid
+                await app(scope, receive, send)
+
+            self.app = with_peer
 
 
 class _BodyLimit:
@@ -102,6 +125,10 @@ class JoinRequest(_Model):
     priority: list[str] | None = Field(default=None, max_length=MAX_LIST)
     launch_id: str | None = Field(default=None, max_length=256)
     force: bool | None = None  # TRTLLM_OBJECT_STORAGE_FORCE_PULL of the rank; None: the daemon's
+
+
+class LeaveRequest(_Model):
+    error: str | None = Field(default=None, max_length=4096)  # the rank failed with this (not: abandoned)
 
 
 class NextRequest(_Model):
@@ -195,6 +222,7 @@ def create_app(settings: Settings) -> FastAPI:
             priority=body.priority,
             launch_id=body.launch_id,
             force=body.force,
+            peer_pid=request.scope.get(PEER_PID),
         )
         rank = session.ranks[body.rank]
         return {
@@ -202,6 +230,9 @@ def create_app(settings: Settings) -> FastAPI:
             "tensors": rank.to_hand_out,
             "bytes": rank.nbytes,
             "metadata_dir": str(session.checkpoint.metadata_dir),
+            # Where the segments are, as the daemon sees it; STREAMER_SHM_DIR overrides it in a rank
+            # that mounts the same dir elsewhere (issue 13.5).
+            "shm_dir": str(daemon(request).store.shm_dir),
         }
 
     @app.post("/v1/sessions/{session_id}/ranks/{rank}/next")
@@ -211,12 +242,12 @@ def create_app(settings: Settings) -> FastAPI:
         return {"handles": [h.to_json() for h in handles], "done": done}
 
     @app.post("/v1/sessions/{session_id}/ranks/{rank}/leave")
-    def leave(session_id: str, rank: int, request: Request) -> dict:
+    def leave(session_id: str, rank: int, request: Request, body: LeaveRequest | None = None) -> dict:
         try:
             session = daemon(request).session(session_id)
         except errors.SessionError:
             return {"left": False}  # already over: leaving is idempotent
-        session.leave(rank)
+        session.leave(rank, body.error if body is not None else None)
         return {"left": True}
 
     return app

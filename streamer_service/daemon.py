@@ -10,6 +10,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from streamer_client.errors import SessionError, StorageAccessDeniedError, StreamerError
@@ -18,11 +19,12 @@ from .checkpoint import open_checkpoint
 from .metadata import MetadataCache
 from .metrics import Metrics, build_info
 from .plan import select as select_tensors
+from .process import ProcessWatch
 from .resident import ResidentStore
 from .runai import check_credentials, storage_environment
 from .session import RankStatus, Session, SessionState
 from .settings import Settings
-from .shm import SegmentPool, SegmentStore, ShmBudget, sweep_stale_segments
+from .shm import SegmentPool, SegmentStore, ShmBudget
 from .uri import StorageURI, parse_uri
 from .versions import ObjectVersions
 
@@ -31,7 +33,39 @@ __all__ = ["Daemon"]
 log = logging.getLogger(__name__)
 
 _REAP_INTERVAL_S = 0.5
-_ENDED_KEPT = 256  # how many ended sessions' outcomes are remembered (rejoins, late requests)
+_ENDED_KEPT = 256
+# Ranks that did not receive everything: when they come back, they rejoin their group's load.
+_UNFINISHED = (RankStatus.LEFT, RankStatus.FAILED, RankStatus.RECLAIMED)  # how many ended sessions' outcomes are remembered (rejoins, late requests)
+
+
+@dataclass
+class _Refusal:
+    """A rank of a group was refused at its join: the rest of the group is told at once (issue 14.7)."""
+
+    rank: int
+    error: SessionError
+    untold: set[int]  # ranks of the group not yet told
+    until: float
+
+
+@dataclass(frozen=True)
+class EndedSession:
+    """What the daemon remembers of a session that ended, for a rank that asks after it."""
+
+    id: str
+    key: str
+    error: StreamerError | None
+    done: frozenset[int] = field(default_factory=frozenset)  # ranks that received everything
+
+    def next(self, rank: int, release: Sequence[int], wait_s: float):
+        if self.error is not None:  # a rank asking after its session failed learns why, not just "gone"
+            raise type(self.error)(self.error.message, uri=self.error.uri, key=self.error.key)
+        if rank in self.done:  # e.g. a load of zero tensors, over before its ranks first asked (issue 14.6)
+            return [], True
+        raise SessionError(f"unknown or finished session {self.id!r}")
+
+    def leave(self, rank: int, error: str | None = None) -> None:
+        """Leaving is idempotent."""
 
 
 def _remember(memory: dict, key, value) -> None:
@@ -51,7 +85,8 @@ class Daemon:
         # Ranks of recently ended sessions that did not receive everything, by key: their rejoin is
         # served on its own instead of waiting for a whole new group.
         self._unfinished: dict[str, set[int]] = {}
-        self._failures: dict[str, StreamerError] = {}  # errors of recently failed sessions, by id
+        self._ended_sessions: dict[str, EndedSession] = {}  # recently ended sessions, by id
+        self._refusals: dict[str, _Refusal] = {}  # by session key
         self._rejoins = 0
         self.resident = ResidentStore(int(settings.retention_budget))
         self.finished: list[dict] = []  # summaries of ended sessions, newest last (bounded)
@@ -69,7 +104,7 @@ class Daemon:
 
     def start(self) -> None:
         self.store = SegmentStore(Path(self.settings.shm_dir), 0o640 if self.settings.group_access else 0o600)
-        sweep_stale_segments(self.store.shm_dir)
+        self.store.open()  # sweeps what daemons that are gone left behind
         self.pool = SegmentPool(self.store, self.budget, self.settings.segment_idle_s)
         if not self._allow:
             log.warning("no --allow prefixes: this daemon will read any URI its credentials reach")
@@ -80,22 +115,25 @@ class Daemon:
             self.store.shm_dir, self.budget.limit, self.slot_size, self.settings.cache_dir,
         )  # fmt: skip
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop every session (reads in flight drain, nothing new is read) and give back their
+        segments before the pool's; waits at most ``timeout_s`` for the sessions."""
         self._stop.set()
         if self._reaper is not None:
             self._reaper.join(timeout=5)
         with self._lock:
             sessions = list(self.sessions.values())
         for session in sessions:
-            for rank in list(session.ranks):
-                try:
-                    session.leave(rank)
-                except SessionError:
-                    pass
-            session.reap(float("inf"), 0.0)
+            session.cancel("the daemon is stopping")
+        deadline = time.monotonic() + timeout_s
+        for session in sessions:
+            if not session.wait_ended(max(deadline - time.monotonic(), 0.0)):
+                log.warning("session %s did not stop within %g s; its segments may remain", session.key, timeout_s)
         if self.pool is not None:
             self.pool.close()
         self.resident.close()
+        if self.store is not None:
+            self.store.close()
 
     def _reap_loop(self) -> None:
         while not self._stop.wait(_REAP_INTERVAL_S):
@@ -136,7 +174,21 @@ class Daemon:
         priority: Sequence[str] | None,
         launch_id: str | None,
         force: bool | None = None,
+        peer_pid: int | None = None,
     ) -> Session:
+        """Join ``rank`` to the group's session ``key``; ``peer_pid``: the rank's process, where
+        the unix socket tells it."""
+        self._told_of_refusal(key, rank)
+        try:
+            parsed, checkpoint, chosen = self._admit(uri, rank, world_size, select, priority, launch_id, force)
+        except StreamerError as exc:
+            self._refuse(key, rank, world_size, exc)
+            raise
+        return self._join_session(key, rank, world_size, parsed, checkpoint, chosen, priority, peer_pid)
+
+    def _admit(self, uri, rank, world_size, select, priority, launch_id, force):
+        """Everything a join can be refused for, checked before a session exists: a refused join
+        must not leave an empty session behind."""
         parsed = self.check_allowed(uri)
         if world_size < 1:
             raise SessionError(f"world_size must be at least 1, got {world_size}")
@@ -146,10 +198,50 @@ class Daemon:
         with opening:
             checkpoint = open_checkpoint(parsed, self.settings, force=force, launch_id=launch_id)
         check_credentials(parsed, self.settings)
-        # Refused before a session exists: a refused first join must not leave an empty session behind.
         if not 0 <= rank < world_size:
             raise SessionError(f"rank {rank} is outside world_size {world_size}", uri=parsed.normalized)
-        chosen = select_tensors(checkpoint.catalog.tensors, select, priority)
+        return parsed, checkpoint, select_tensors(checkpoint.catalog.tensors, select, priority)
+
+    def _refuse(self, key: str, rank: int, world_size: int, exc: StreamerError) -> None:
+        """Rank ``rank`` of group ``key`` was refused: fail the group's joining session now and
+        tell the ranks that have not joined yet when they do."""
+        error = SessionError(
+            f"rank {rank} of session {key!r} was refused ({type(exc).__name__}: {exc.message}); "
+            "the other ranks cannot load without it",
+            uri=exc.uri,
+            key=exc.key,
+        )
+        with self._lock:
+            session = self.sessions.get(key)
+            told = set(session.ranks) if session is not None and session.state is SessionState.JOINING else set()
+            untold = set(range(max(world_size, 1))) - told - {rank}
+            if untold:
+                until = time.monotonic() + self.settings.join_timeout_s
+                self._refusals[key] = _Refusal(rank, error, untold, until)
+        if told:
+            session.refuse(error)
+
+    def _told_of_refusal(self, key: str, rank: int) -> None:
+        """Raise the refusal of another rank of this group, once per rank; a refused rank that
+        tries again starts over."""
+        with self._lock:
+            now = time.monotonic()
+            for k in [k for k, r in self._refusals.items() if r.until < now]:
+                del self._refusals[k]
+            refusal = self._refusals.get(key)
+            if refusal is None:
+                return
+            if rank == refusal.rank:
+                del self._refusals[key]
+                return
+            if rank not in refusal.untold:
+                return
+            refusal.untold.discard(rank)
+            if not refusal.untold:
+                del self._refusals[key]
+        raise refusal.error
+
+    def _join_session(self, key, rank, world_size, parsed, checkpoint, chosen, priority, peer_pid) -> Session:
         deadline = time.monotonic() + self.settings.rank_timeout_s + 4 * _REAP_INTERVAL_S
         while True:
             with self._lock:
@@ -180,7 +272,7 @@ class Daemon:
                     uri=parsed.normalized,
                 )
             time.sleep(_REAP_INTERVAL_S / 2)
-        session.join(rank, world_size, chosen, priority)
+        session.join(rank, world_size, chosen, priority, ProcessWatch.of(peer_pid))
         return session
 
     def _rejoining(self, key: str, session: Session | None, rank: int) -> bool:
@@ -188,8 +280,8 @@ class Daemon:
         state = session.ranks.get(rank) if session is not None else None
         if session is not None and session.state is SessionState.STREAMING:
             return state is not None and state.status is not RankStatus.ACTIVE
-        if session is not None and session.state is SessionState.DONE:  # ended, not yet reported
-            return state is not None and state.status in (RankStatus.LEFT, RankStatus.RECLAIMED)
+        if session is not None and session.load_complete:  # ended, not yet reported
+            return state is not None and state.status in _UNFINISHED
         return session is None and rank in self._unfinished.get(key, ())
 
     def _new_session(self, key: str, checkpoint, world_size: int, *, rejoin: tuple[str, int] | None = None) -> Session:
@@ -207,14 +299,14 @@ class Daemon:
             versions=ObjectVersions.of(checkpoint, self.settings),
         )
 
-    def session(self, session_id: str) -> Session:
+    def session(self, session_id: str) -> Session | EndedSession:
         with self._lock:
             for session in self.sessions.values():
                 if session.id == session_id:
                     return session
-            failed = self._failures.get(session_id)
-        if failed is not None:  # a rank asking after its session failed learns why, not just "gone"
-            raise type(failed)(failed.message, uri=failed.uri, key=failed.key)
+            ended = self._ended_sessions.get(session_id)
+        if ended is not None:
+            return ended
         raise SessionError(f"unknown or finished session {session_id!r}")
 
     def _ended(self, session: Session) -> None:
@@ -233,8 +325,8 @@ class Daemon:
                 del self.sessions[session.key]
             if session.rejoin is None:
                 self._unfinished.pop(session.key, None)
-                left = {r.rank for r in session.ranks.values() if r.status in (RankStatus.LEFT, RankStatus.RECLAIMED)}
-                if left and session.state is SessionState.DONE:
+                left = {r.rank for r in session.ranks.values() if r.status in _UNFINISHED}
+                if left and session.load_complete:
                     _remember(self._unfinished, session.key, left)
             elif session.state is SessionState.DONE and all(r.status is RankStatus.DONE for r in session.ranks.values()):
                 group, rank = session.rejoin  # caught up: its next join is its group's again
@@ -242,8 +334,8 @@ class Daemon:
             self.bytes_read += session.stats.bytes_read
             self.finished.append(summary)
             del self.finished[:-64]
-            if session.error is not None:
-                _remember(self._failures, session.id, session.error)
+            done = frozenset(r.rank for r in session.ranks.values() if r.received_everything)
+            _remember(self._ended_sessions, session.id, EndedSession(session.id, session.key, session.error, done))
 
     def stats(self) -> dict:
         with self._lock:

@@ -67,7 +67,8 @@ from .header import TensorInfo
 from .plan import DEFAULT_ALIGN, Batch, BatchKind, Placement, Plan, build_plan
 from .plan import select as select_tensors
 from .pipeline import Load, LoadStats, Pipeline
-from .runai import NativeReader, S3Credentials, storage_environment
+from .ring import Ring
+from .runai import BUFFERED_FS_STRATEGY, NativeReader, S3Credentials, storage_environment
 from .settings import Settings
 from .uri import StorageURI
 from .versions import ObjectVersions
@@ -80,17 +81,6 @@ __all__ = [
     "EngineStats",
 ]
 
-# Run:ai 0.17.0 defaults to "io_uring_direct,libaio_direct,sync_buffered": O_DIRECT, which bypasses
-# the page cache. Checkpoints are usually read from a cache that was just filled (a download, a
-# previous load, a local NVMe copy), so buffered reads win: 6.24 vs 1.1 GB/s on the H200 machine
-# (DESIGN.md 6), 12 vs 3 GB/s here with a warm 1 GB file.
-#
-# Not io_uring_buffered, although it faulted fresh buffers in ~4x faster here: after a load through
-# it, a large write of the same process to a pipe was cut short (8 of 30 runs printed a truncated
-# 2 MB line to a subprocess pipe with exit code 0; 0 of 30 with sync_buffered). Losing a user's
-# output silently is not a price for speed. tests/test_engine.py::test_process_output_survives_a_load
-# guards it. RUNAI_STREAMER_FS_STRATEGY, when set, still wins (see runai.py).
-BUFFERED_FS_STRATEGY = "sync_buffered"
 
 
 @dataclass(frozen=True)
@@ -279,24 +269,33 @@ class _Slot:
 
 
 class _Ring:
-    """At most ``count`` slots of ``slot_bytes``, allocated on first use and reused."""
+    """The engine's slots: :class:`~streamer_service.ring.Ring` over private buffers of ``slot_bytes``."""
 
     def __init__(self, slot_bytes: int, count: int, stats: EngineStats) -> None:
         self.slot_bytes = slot_bytes
         self.count = count
         self._stats = stats
-        self._free: list[_Slot] = []
-        self._allocated = 0
+        self._ring: Ring[_Slot | _HostBuffer] = Ring(count)
 
     def acquire(self) -> _Slot | None:
         """A free slot, or ``None`` while every slot is in use."""
-        if self._free:
-            return self._free.pop()
-        if self._allocated == self.count:
-            return None
-        self._allocated += 1
+        return self._ring.take(self._new_slot)
+
+    def _new_slot(self) -> _Slot:
         self._stats.allocated(self.slot_bytes)
         return _Slot(_HostBuffer(self.slot_bytes))
+
+    def acquire_oversized(self, nbytes: int) -> _HostBuffer | None:
+        """A dedicated buffer for an oversized tensor, or ``None`` while another one is out."""
+        buffer = self._ring.take(functools.partial(_HostBuffer, nbytes), oversized=True)
+        if buffer is not None:
+            self._stats.allocated(nbytes)
+        return buffer
+
+    def release_oversized(self, buffer: _HostBuffer) -> None:
+        """The oversized buffer is handed over (CPU) or copied (device): no longer ours."""
+        self._stats.released(buffer.nbytes)
+        self._ring.give(buffer, oversized=True)
 
     def release(self, slot: _Slot, in_hand: weakref.ref | None) -> None:
         """Take a delivered slot back; refuse (and never reuse it) while borrowed views live.
@@ -305,13 +304,11 @@ class _Ring:
         legitimately still holds.
         """
         slot.leases.end(in_hand)
-        self._free.append(slot)
+        self._ring.give(slot)
 
     def close(self) -> None:
         """Drop every slot (their memory goes once no borrowed view holds it)."""
-        self._stats.released(self._allocated * self.slot_bytes)
-        self._free.clear()
-        self._allocated = 0
+        self._stats.released(len(self._ring.drain()) * self.slot_bytes)
 
 
 # --------------------------------------------------------------------------- one stream
@@ -354,10 +351,10 @@ class _Stream:
             if copier is not None:
                 copier.close()  # waits for copies in flight, recycles their buffers, unpins the slots
         finally:
-            self._ring.close()
             if self._oversized is not None:
-                self._stats.released(self._oversized.nbytes)
+                self._ring.release_oversized(self._oversized)
                 self._oversized = None
+            self._ring.close()
 
     # -------------------------------------------------------------- buffers
 
@@ -368,11 +365,11 @@ class _Stream:
                 self._copier.poll()  # slots whose device copies have completed go back to the ring
                 slot = self._ring.acquire()
             return None if slot is None else (slot.buffer, slot)
-        if self._oversized is not None:
+        buffer = self._ring.acquire_oversized(batch.buffer_bytes)
+        if buffer is None:  # the one oversized buffer is out
             return None
-        self._oversized = _HostBuffer(batch.buffer_bytes)
-        self._stats.allocated(batch.buffer_bytes)
-        return self._oversized, None
+        self._oversized = buffer
+        return buffer, None
 
     def _wait_for_buffer(self) -> None:
         # With device copies every buffer may be waiting for its copies: wait for the oldest.
@@ -394,7 +391,7 @@ class _Stream:
             del tensor  # hold no reference of ours while the caller works
         if load.batch.kind is BatchKind.OVERSIZED:
             # Handed over (CPU) or copied (device): no longer ours either way.
-            self._stats.released(load.buffer.nbytes)
+            self._ring.release_oversized(load.buffer)
             self._oversized = None
 
     def _deliver_to_device(self, load: Load) -> Iterator[tuple[str, torch.Tensor]]:
@@ -416,7 +413,7 @@ class _Stream:
 
     def _drop_oversized(self, buffer: _HostBuffer) -> None:
         if self._oversized is buffer:
-            self._stats.released(buffer.nbytes)
+            self._ring.release_oversized(buffer)
             self._oversized = None
 
     def _materialize(self, load: Load, placement: Placement) -> torch.Tensor:

@@ -46,7 +46,9 @@ __all__ = [
     "Placement",
     "Plan",
     "build_plan",
+    "delivery_order",
     "select",
+    "union_order",
 ]
 
 DEFAULT_ALIGN = mmap.PAGESIZE
@@ -82,8 +84,50 @@ def select(
         chosen = [t for t in catalog_tensors if t.name in wanted]
     if priority is None:
         return chosen
-    entries = _Entries.parse(priority, "priority", [t.name for t in chosen])
-    return entries.prioritize(chosen)
+    _Entries.parse(priority, "priority", [t.name for t in chosen])
+    return delivery_order(chosen, priority)
+
+
+def union_order(
+    catalog_tensors: Sequence[TensorInfo], ranks: Sequence[tuple[Sequence[TensorInfo], Sequence[str] | None]]
+) -> list[TensorInfo]:
+    """The daemon's delivery order for several ranks: ``(chosen, priority)`` of each, in rank order.
+
+    The union of their selections, ordered by :func:`delivery_order` with their priority entries
+    concatenated in rank order. Each rank gets its tensors in this order, so a rank whose priority
+    entries are the group's gets exactly the order ``select`` gives it in-process (issue 13.2).
+    """
+    union = {t.name for chosen, _ in ranks for t in chosen}
+    priority = list(dict.fromkeys(p for _, entries in ranks for p in (entries or ())))
+    return delivery_order([t for t in catalog_tensors if t.name in union], priority)
+
+
+def delivery_order(tensors: Sequence[TensorInfo], priority: Sequence[str] | None) -> list[TensorInfo]:
+    """``tensors`` (in checkpoint order) in delivery order: the one ordering rule of both modes.
+
+    Tensors matching a ``priority`` entry come first, grouped in the order of the entries, then
+    the rest in checkpoint order. An entry equal to the name of one of ``tensors`` is that name;
+    any other entry is a prefix. A tensor two entries match belongs to the first (``select``
+    refuses overlaps in one rank's entries; the daemon orders the union of its ranks' selections
+    with their entries concatenated in rank order, where they may overlap).
+    """
+    if not priority:
+        return list(tensors)
+    names = {t.name for t in tensors}
+    exact: dict[str, int] = {}
+    prefixes: dict[str, int] = {}
+    for i, entry in enumerate(priority):
+        (exact if entry in names else prefixes).setdefault(entry, i)
+    rest = len(priority)
+
+    def group(t: TensorInfo) -> int:
+        # Every prefix of the name is looked up once: O(len(name)) per tensor, whatever the entries.
+        found = [prefixes[t.name[:k]] for k in range(1, len(t.name) + 1) if t.name[:k] in prefixes]
+        if t.name in exact:
+            found.append(exact[t.name])
+        return min(found, default=rest)
+
+    return sorted(tensors, key=group)  # stable: checkpoint order within a group
 
 
 @dataclass(frozen=True)
@@ -147,16 +191,6 @@ class _Entries:
 
     def matched_names(self) -> set[str]:
         return {name for entry in self.entries for name in self.matches(entry)}
-
-    def prioritize(self, chosen: list[TensorInfo]) -> list[TensorInfo]:
-        # Entries do not overlap (checked), so each tensor belongs to at most one group.
-        group_of = {name: i for i, entry in enumerate(self.entries) for name in self.matches(entry)}
-        groups: list[list[TensorInfo]] = [[] for _ in self.entries]
-        rest: list[TensorInfo] = []
-        for tensor in chosen:
-            index = group_of.get(tensor.name)
-            (rest if index is None else groups[index]).append(tensor)
-        return [t for group in groups for t in group] + rest
 
 
 # --------------------------------------------------------------------------- plan

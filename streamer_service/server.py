@@ -6,6 +6,7 @@ import contextlib
 import logging
 import os
 import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -18,7 +19,7 @@ import uvicorn
 
 from streamer_client.errors import ConfigError
 
-from .api import create_app
+from .api import PeerCredentialsProtocol, create_app
 from .runai import read_parallelism_in_force
 from .scrape import MetricsListener
 from .settings import DEFAULT_SOCKET, Settings
@@ -100,8 +101,16 @@ def serve(settings: Settings, *, socket_mode: int = 0o600) -> int:
             access_log=False,
             timeout_graceful_shutdown=3,
             lifespan="on",
+            http=PeerCredentialsProtocol,  # ranks' PIDs, so a dead rank is reclaimed at once
         )
-        uvicorn.Server(config).run(sockets=sockets)
+        # uvicorn shuts down gracefully on SIGTERM and then raises the signal again, which would end
+        # the process with 143 before this finally removes the socket (issue 14.5). It raises it to
+        # the handler it found: ours ends the process with 0 once everything is cleaned up.
+        previous = signal.signal(signal.SIGTERM, _stopped)
+        try:
+            uvicorn.Server(config).run(sockets=sockets)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     finally:
         if listener is not None:
             listener.close()
@@ -111,6 +120,10 @@ def serve(settings: Settings, *, socket_mode: int = 0o600) -> int:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
     return 0
+
+
+def _stopped(signum: int, frame) -> None:
+    raise SystemExit(0)
 
 
 def _render_metrics(app) -> bytes | None:

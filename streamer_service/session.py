@@ -19,6 +19,7 @@ A session can also serve a single rank (``only``): one that rejoins a load after
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import threading
 import time
@@ -31,12 +32,13 @@ from streamer_client.errors import ObjectChangedError, ObjectNotFoundError, Sess
 
 from .catalog import TensorInfo
 from .checkpoint import Checkpoint
-from .engine import BUFFERED_FS_STRATEGY
 from .metrics import LoadTimes
 from .pipeline import Load, LoadStats, Pipeline
-from .plan import Batch, BatchKind, Plan, build_plan
+from .plan import Batch, BatchKind, Plan, build_plan, union_order
+from .process import ProcessWatch
 from .resident import ResidentCopy, ResidentStore
-from .runai import NativeReader
+from .ring import Ring
+from .runai import BUFFERED_FS_STRATEGY, NativeReader
 from .shm import Reservation, Segment, SegmentPool
 from .versions import ObjectVersions
 
@@ -62,8 +64,9 @@ class SessionState(enum.Enum):
 class RankStatus(enum.Enum):
     ACTIVE = "active"
     DONE = "done"  # received every tensor and left
-    LEFT = "left"  # left before receiving every tensor (abandoned or failed)
-    RECLAIMED = "reclaimed"  # silent too long
+    LEFT = "left"  # left before receiving every tensor (abandoned)
+    FAILED = "failed"  # left with an error of its own (e.g. it could not map a segment)
+    RECLAIMED = "reclaimed"  # silent too long, or its process is gone
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,22 @@ class RankState:
     delivered_bytes: int = 0
     last_seen: float = field(default_factory=time.monotonic)
     status: RankStatus = RankStatus.ACTIVE
+    error: str | None = None  # why the rank failed (RankStatus.FAILED)
+    asking: int = 0  # requests of this rank waiting in next(): it is not silent while it waits for us
+    process: ProcessWatch | None = None  # the rank's process, where the daemon can see it
+
+    @property
+    def received_everything(self) -> bool:
+        return self.status is RankStatus.DONE or (self.status is RankStatus.ACTIVE and not self.to_hand_out and not self.queue)
+
+    def gone(self) -> bool:
+        """Whether the rank's process is known to have exited."""
+        return self.process is not None and self.process.exited()
+
+    def stop_watching(self) -> None:
+        if self.process is not None:
+            self.process.close()
+            self.process = None
 
 
 @dataclass(eq=False)
@@ -107,7 +126,7 @@ class _Slot:
 
 
 class _Cancelled(Exception):
-    """Every rank is gone: stop streaming."""
+    """No rank is left to read the load, or the daemon stops: stop streaming."""
 
 
 class Session:
@@ -151,22 +170,27 @@ class Session:
         self._versions = versions  # checks each loaded batch's objects before publishing it
         self._clock = clock
         self._cond = threading.Condition()
-        self._priority: set[str] = set()
-        self._free: list[_Slot] = []
+        self._ring: Ring[_Slot] = Ring(lock=self._cond)
+        self._chosen: dict[int, tuple[Sequence[TensorInfo], Sequence[str] | None]] = {}  # each rank's selection
         self._slots: list[_Slot] = []  # every live segment of this session
-        self._ring_max = 0
-        self._ring_count = 0
         self._refs: dict[int, tuple[int, _Slot | None]] = {}
-        self._oversized_out = False
         self._cancelled = False
+        self.load_complete = False  # every batch was loaded and published
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ joining
 
-    def join(self, rank: int, world_size: int, chosen: Sequence[TensorInfo], priority: Sequence[str] | None) -> RankState:
+    def join(
+        self,
+        rank: int,
+        world_size: int,
+        chosen: Sequence[TensorInfo],
+        priority: Sequence[str] | None,
+        process: ProcessWatch | None = None,
+    ) -> RankState:
         """Add ``rank`` with its selected tensors (``plan.select``); block until every rank has
-        joined (or the join timeout passes)."""
-        catalog = self.checkpoint.catalog
+        joined (or the join timeout passes). ``process`` watches the rank's process, so that a
+        rank whose process is gone is reclaimed at once (issue 14.8)."""
         with self._cond:
             if world_size != self.world_size:
                 raise SessionError(
@@ -187,9 +211,9 @@ class Session:
                 raise SessionError(f"rank {rank} already joined session {self.key!r}", uri=self.checkpoint.uri.normalized)
             state = RankState(rank, frozenset(t.name for t in chosen), sum(t.nbytes for t in chosen))
             state.to_hand_out = len(chosen)
+            state.process = process
             self.ranks[rank] = state
-            if priority:
-                self._priority.update(_priority_names(chosen, priority, catalog.by_name))
+            self._chosen[rank] = (chosen, priority)
             if len(self.ranks) == self.expected:
                 self._start()
                 self._cond.notify_all()
@@ -220,17 +244,20 @@ class Session:
         """How many ranks must join before the load starts."""
         return 1 if self.only is not None else self.world_size
 
+    def refuse(self, error: SessionError) -> None:
+        """A rank of this group was refused: the ranks waiting for it fail now, not at the join timeout."""
+        with self._cond:
+            if self.state is SessionState.JOINING:
+                self._fail(error)
+
     def _start(self) -> None:
-        catalog = self.checkpoint.catalog
-        union = set().union(*(r.names for r in self.ranks.values()))
-        first = [t for t in catalog.tensors if t.name in union and t.name in self._priority]
-        rest = [t for t in catalog.tensors if t.name in union and t.name not in self._priority]
+        wanted = union_order(self.checkpoint.catalog.tensors, [self._chosen[r] for r in sorted(self.ranks)])
         self.state = SessionState.STREAMING
         self.times.mark("started")
         now = self._clock()
         for r in self.ranks.values():
             r.last_seen = now
-        self._thread = threading.Thread(target=self._run, args=(first + rest,), name=f"session-{self.id[:8]}", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(wanted,), name=f"session-{self.id[:8]}", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------------ streaming thread
@@ -248,11 +275,21 @@ class Session:
                     for load in pipeline.loaded(self._wait_for_release):
                         self._publish(load)
             with self._cond:
+                self.load_complete = True
                 while not self._all_ranks_finished():
                     if self._cancelled:
                         raise _Cancelled
                     self._cond.wait(0.5)
-                self._end(SessionState.DONE)
+                failed = [r for r in self.ranks.values() if r.status is RankStatus.FAILED]
+                if failed:  # a rank that could not use what it was handed did not receive it
+                    self._fail(
+                        SessionError(
+                            f"session {self.key!r} for {self.checkpoint.uri}: rank {failed[0].rank} failed: {failed[0].error}",
+                            uri=self.checkpoint.uri.normalized,
+                        )
+                    )
+                else:
+                    self._end(SessionState.DONE)
             log.info(
                 "session %s (%s, %d ranks): %d bytes read from storage, %d served from memory, in %.2f s",
                 self.key, self.checkpoint.uri, len(self.ranks), self.stats.bytes_read, self.resident_bytes,
@@ -261,7 +298,10 @@ class Session:
         except _Cancelled:
             with self._cond:
                 self._end(SessionState.FAILED)
-            log.warning("session %s (%s): every rank is gone; stopped", self.key, self.checkpoint.uri)
+            log.warning(
+                "session %s (%s): %s; stopped after %d bytes read",
+                self.key, self.checkpoint.uri, self.error or "no rank is left to read it", self.stats.bytes_read,
+            )  # fmt: skip
         except StreamerError as exc:
             if self._copy is not None and isinstance(exc, (ObjectChangedError, ObjectNotFoundError)):
                 self._resident.drop(self._copy, str(exc))
@@ -329,7 +369,7 @@ class Session:
             )  # fmt: skip
         slot_batches = sum(b.kind is BatchKind.SLOT and b.buffer_bytes > 0 for b in plan.batches)
         # Ring segments are all of the daemon's slot size, so that later sessions can reuse them.
-        self._ring_max = min(self._pool.budget.limit // self._slot_size, slot_batches, MAX_RING_SLOTS)
+        self._ring.capacity = min(self._pool.budget.limit // self._slot_size, slot_batches, MAX_RING_SLOTS)
         return plan
 
     def _acquire(self, batch: Batch) -> tuple[Segment, _Slot] | None:
@@ -340,27 +380,18 @@ class Session:
         with self._cond:
             if self._cancelled:
                 raise _Cancelled
-            if not oversized:
-                if self._free:
-                    slot = self._free.pop()
-                    return slot.segment, slot
-                if self._ring_count >= self._ring_max:
-                    return None
-            elif self._oversized_out:
-                return None
         nbytes = batch.buffer_bytes if oversized else self._slot_size
+        slot = self._ring.take(functools.partial(self._new_slot, nbytes, oversized), oversized=oversized)
+        return None if slot is None else (slot.segment, slot)
+
+    def _new_slot(self, nbytes: int, oversized: bool) -> _Slot | None:
         got = self._pool.take(nbytes, oversized=oversized)
         if got is None:  # other sessions hold the node's budget: wait for a release
             return None
-        segment, reservation = got
-        slot = _Slot(segment, reservation, oversized)
+        slot = _Slot(got[0], got[1], oversized)
         with self._cond:
             self._slots.append(slot)
-            if oversized:
-                self._oversized_out = True
-            else:
-                self._ring_count += 1
-        return segment, slot
+        return slot
 
     def _acquire_kept(self, batch: Batch, oversized: bool) -> tuple[Segment, _Slot]:
         """A segment of the batch's exact size that stays resident once loaded (the claim pays)."""
@@ -420,11 +451,15 @@ class Session:
             self._release(state, release)
             state.last_seen = self._clock()
             deadline = self._clock() + wait_s
-            while not state.queue and self.state is SessionState.STREAMING and state.to_hand_out:
-                remaining = deadline - self._clock()
-                if remaining <= 0:
-                    break
-                self._cond.wait(remaining)
+            state.asking += 1
+            try:
+                while not state.queue and self.state is SessionState.STREAMING and state.to_hand_out:
+                    remaining = deadline - self._clock()
+                    if remaining <= 0:
+                        break
+                    self._cond.wait(remaining)
+            finally:
+                state.asking -= 1
             if self.state is SessionState.FAILED and self.error is not None:
                 raise self.error
             if state.status is RankStatus.RECLAIMED:
@@ -445,16 +480,47 @@ class Session:
             state.last_seen = self._clock()
             return handles, state.to_hand_out == 0
 
-    def leave(self, rank: int) -> None:
-        """The rank is finished (or abandons the load): release everything it holds."""
+    def leave(self, rank: int, error: str | None = None) -> None:
+        """The rank is finished, abandons the load, or failed with ``error``: release everything it holds."""
         with self._cond:
             state = self._rank(rank)
             if state.status is RankStatus.ACTIVE:
                 complete = not state.to_hand_out and not state.queue
                 self._release(state, list(state.outstanding))
                 state.queue.clear()
-                state.status = RankStatus.DONE if complete else RankStatus.LEFT
+                state.stop_watching()
+                if error is not None:
+                    state.status, state.error = RankStatus.FAILED, error
+                else:
+                    state.status = RankStatus.DONE if complete else RankStatus.LEFT
+            self._stop_if_abandoned()
             self._cond.notify_all()
+
+    def cancel(self, reason: str) -> None:
+        """Stop this session (the daemon stops): reads in flight drain, nothing new is submitted,
+        its segments go back; waiting ranks get ``reason``."""
+        with self._cond:
+            error = SessionError(f"session {self.key!r} for {self.checkpoint.uri}: {reason}", uri=self.checkpoint.uri.normalized)
+            if self.state is SessionState.JOINING:
+                self._fail(error)
+            elif self.state is SessionState.STREAMING:
+                self.error = error
+                self._cancelled = True
+            self._cond.notify_all()
+
+    def wait_ended(self, timeout_s: float) -> bool:
+        """Wait for the streaming thread to have given everything back."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
+            return not thread.is_alive()
+        return True
+
+    def _stop_if_abandoned(self) -> None:
+        # Issue 13.1: a load no rank reads any more stops reading (before, only a session whose
+        # ranks were all reclaimed did, and one whose ranks left read the rest for nobody).
+        if self.state is SessionState.STREAMING and not any(r.status is RankStatus.ACTIVE for r in self.ranks.values()):
+            self._cancelled = True
 
     def reap(self, now: float, rank_timeout_s: float) -> None:
         """Reclaim ranks silent for longer than ``rank_timeout_s``."""
@@ -462,16 +528,20 @@ class Session:
             if self.state is not SessionState.STREAMING:
                 return
             for state in self.ranks.values():
-                if state.status is RankStatus.ACTIVE and now - state.last_seen > rank_timeout_s:
-                    log.warning(
-                        "session %s: rank %d silent for %.1f s; reclaiming its %d leases",
-                        self.key, state.rank, now - state.last_seen, len(state.outstanding),
-                    )  # fmt: skip
-                    self._release(state, list(state.outstanding))
-                    state.queue.clear()
-                    state.status = RankStatus.RECLAIMED
-            if all(r.status is RankStatus.RECLAIMED for r in self.ranks.values()):
-                self._cancelled = True
+                if state.status is not RankStatus.ACTIVE:
+                    continue
+                if state.gone():
+                    why = "its process is gone"
+                elif not state.asking and now - state.last_seen > rank_timeout_s:
+                    why = f"silent for {now - state.last_seen:.1f} s"
+                else:
+                    continue
+                log.warning("session %s: rank %d %s; reclaiming its %d leases", self.key, state.rank, why, len(state.outstanding))
+                self._release(state, list(state.outstanding))
+                state.queue.clear()
+                state.stop_watching()
+                state.status = RankStatus.RECLAIMED
+            self._stop_if_abandoned()
             self._cond.notify_all()
 
     def _rank(self, rank: int) -> RankState:
@@ -510,9 +580,7 @@ class Session:
             self._slots.remove(slot)
             # Unlinked now; ranks dropped their mappings of it when they released it.
             self._pool.give(slot.segment, slot.reservation, keep=False, now=self._clock())
-            self._oversized_out = False
-        else:
-            self._free.append(slot)
+        self._ring.give(slot, oversized=slot.oversized)
 
     def _all_ranks_finished(self) -> bool:
         return all(
@@ -537,7 +605,10 @@ class Session:
 
     def _release_segments(self) -> None:
         with self._cond:
-            slots, self._slots, self._free = self._slots, [], []
+            for r in self.ranks.values():
+                r.stop_watching()
+            slots, self._slots = self._slots, []
+            self._ring.drain()
             self._refs.clear()
         for slot in slots:
             if not slot.kept:
@@ -560,15 +631,12 @@ class Session:
                 "bytes_from_memory": self.resident_bytes,
                 "rejoin_of": self.rejoin[0] if self.rejoin else None,
                 "ranks": {
-                    r.rank: {"status": r.status.value, "bytes_selected": r.nbytes, "bytes_delivered": r.delivered_bytes}
+                    r.rank: {
+                        "status": r.status.value, "bytes_selected": r.nbytes, "bytes_delivered": r.delivered_bytes,
+                        **({"error": r.error} if r.error else {}),
+                    }
                     for r in self.ranks.values()
-                },
+                },  # fmt: skip
                 "error": str(self.error) if self.error else None,
             }
 
-
-def _priority_names(chosen, priority: Sequence[str], by_name) -> set[str]:
-    """Names of ``chosen`` that ``priority`` entries match (an entry naming a tensor is exact)."""
-    names = {p for p in priority if p in by_name}
-    prefixes = [p for p in priority if p not in by_name]
-    return {t.name for t in chosen if t.name in names or any(t.name.startswith(p) for p in prefixes)}

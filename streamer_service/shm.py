@@ -9,6 +9,14 @@ We do not use ``multiprocessing.shared_memory``: its resource tracker unlinks
 or warns from the wrong process (DESIGN.md 6). Segments are unlinked when their
 session ends, and a daemon sweeps segments of dead daemons when it starts.
 
+Whether the daemons that made segments are alive is decided by a lock, not by
+the PID in a segment's name: a PID says nothing in a container, where every
+daemon is PID 1 of its own namespace (issue 13.3). Each daemon holds a shared
+``flock`` on the shm dir itself for its whole life; the kernel drops it when
+the process dies, however it dies. A starting daemon that gets the exclusive
+lock knows no other daemon uses the dir, so every segment there is stale. (Only
+where another daemon shares the dir does it fall back to the PIDs.)
+
 Space is reserved with ``posix_fallocate`` when a segment is created, so a shm
 filesystem smaller than the budget fails with a clear error here instead of a
 SIGBUS in whichever process first touches a missing page.
@@ -18,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -124,6 +133,27 @@ class SegmentStore:
         self.prefix = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-"
         self._counter = 0
         self._lock = threading.Lock()
+        self._dir_fd: int | None = None
+
+    def open(self) -> list[str]:
+        """Sweep the segments of daemons that are gone, then mark the dir as used by this one
+        (until :meth:`close` or death). Returns the names swept."""
+        fd = os.open(self.shm_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            alone = _try_flock(fd, fcntl.LOCK_EX)
+            removed = sweep_stale_segments(self.shm_dir, everything=alone)
+            fcntl.flock(fd, fcntl.LOCK_SH)  # blocks only while another daemon sweeps
+        except BaseException:
+            os.close(fd)
+            raise
+        self._dir_fd = fd
+        return removed
+
+    def close(self) -> None:
+        """This daemon no longer uses the dir (its segments are gone)."""
+        fd, self._dir_fd = self._dir_fd, None
+        if fd is not None:
+            os.close(fd)
 
     def create(self, nbytes: int) -> Segment:
         with self._lock:
@@ -211,6 +241,16 @@ class SegmentPool:
             self.budget.give_back(reservation)
 
 
+def _try_flock(fd: int, operation: int) -> bool:
+    try:
+        fcntl.flock(fd, operation | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -221,12 +261,14 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def sweep_stale_segments(shm_dir: Path) -> list[str]:
-    """Remove segments whose daemon process is gone; return their names."""
+def sweep_stale_segments(shm_dir: Path, *, everything: bool = False) -> list[str]:
+    """Remove segments of daemons that are gone; return their names. ``everything``: the caller
+    holds the dir's exclusive lock, so no daemon that made them is alive (see the module docstring);
+    otherwise only segments whose daemon's PID is gone from this PID namespace."""
     removed = []
     for path in Path(shm_dir).glob(f"{SEGMENT_PREFIX}*"):
         match = _NAME_RE.match(path.name)
-        if match is None or _alive(int(match.group(1))):
+        if match is None or (not everything and _alive(int(match.group(1)))):
             continue
         with contextlib.suppress(FileNotFoundError):
             path.unlink()

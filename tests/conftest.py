@@ -166,13 +166,14 @@ def sample(tmp_path_factory):
 @pytest.fixture
 def daemon(tmp_path):
     """``daemon(env=None, *serve_args)`` starts a real ``streamer-service serve`` (ranks silent for
-    2 s are reclaimed unless ``env`` says otherwise); every daemon started is stopped afterwards."""
+    10 s are reclaimed unless ``env`` says otherwise; a rank whose process is gone is reclaimed at
+    once); every daemon started is stopped afterwards."""
     from daemon_harness import DaemonProcess
 
     procs = []
 
     def start(env=None, *extra):
-        d = DaemonProcess(tmp_path, {"STREAMER_RANK_TIMEOUT_S": "2", **(env or {})}, *extra).start()
+        d = DaemonProcess(tmp_path, {"STREAMER_RANK_TIMEOUT_S": "10", **(env or {})}, *extra).start()
         procs.append(d)
         return d
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from streamer_client.errors import ConfigError, SelectionError
 from streamer_service.header import TensorInfo
-from streamer_service.plan import Batch, BatchKind, FileRange, Plan, build_plan, select
+from streamer_service.plan import Batch, BatchKind, FileRange, Plan, build_plan, select, union_order
 
 
 def tensor(name: str, offset: int, nbytes: int, file: str = "a.safetensors", dtype: str = "U8") -> TensorInfo:
@@ -290,3 +290,41 @@ def test_select_then_plan_delivers_priority_first_then_checkpoint_order(tensors,
     ordered = select(tensors, chosen_names, priority=[first.name])
     assert ordered[0] == first and ordered[1:] == [t for t in chosen if t is not first]
     _check_plan(build_plan(ordered, 4096, align=64), ordered)
+
+
+# --------------------------------------------------------------------------- one order for both modes
+
+
+@st.composite
+def group_selections(draw):
+    """A checkpoint, 1-4 ranks' selections (names and prefixes), and the group's priority entries."""
+    tensors = draw(checkpoints())
+    entries = sorted({t.name[:k] for t in tensors for k in range(1, len(t.name) + 1)})
+    some = st.lists(st.sampled_from(entries), min_size=1, max_size=4, unique=True)
+    priority = draw(st.one_of(st.none(), some))
+    selections = draw(st.lists(st.one_of(st.none(), some), min_size=1, max_size=4))
+    return tensors, selections, priority
+
+
+@settings(max_examples=300, deadline=None)
+@given(group_selections())
+def test_daemon_order_is_embedded_order_for_every_rank(case):
+    """Issue 13.2: a rank gets its tensors in the order ``select`` gives it in-process, whether it
+    loads alone or in a group whose union the daemon orders."""
+    tensors, selections, priority = case
+    try:
+        chosen = [select(tensors, s, priority) for s in selections]
+    except SelectionError:
+        assume(False)
+    daemon = union_order(tensors, [(c, priority) for c in chosen])
+    for embedded in chosen:
+        mine = {t.name for t in embedded}
+        assert [t for t in daemon if t.name in mine] == embedded
+    assert {t.name for t in daemon} == {t.name for c in chosen for t in c}
+
+
+def test_union_order_puts_each_ranks_priority_entries_in_rank_order():
+    rank0 = select(CATALOG, ["layer.2.", "norm"], ["norm"])
+    rank1 = select(CATALOG, ["layer.1.", "layer.10."], ["layer.10."])
+    order = union_order(CATALOG, [(rank0, ["norm"]), (rank1, ["layer.10."])])
+    assert names(order) == ["norm", "layer.10.attn", "layer.10.mlp", "layer.1.attn", "layer.1.mlp", "layer.2.attn", "layer.2.mlp"]

@@ -14,7 +14,7 @@ from pathlib import Path
 @dataclass(frozen=True)
 class ClientConfig:
     socket: Path | str | None  # a unix socket path, or tcp://127.0.0.1:PORT
-    shm_dir: Path
+    shm_dir: Path | None  # STREAMER_SHM_DIR; None: where the daemon says its segments are
     launch_id: str | None
     torchelastic_run_id: str | None
     connect_timeout_s: float
@@ -28,7 +28,7 @@ def client_config() -> ClientConfig:
     socket = env.get("STREAMER_SOCKET") or None
     return ClientConfig(
         socket=(socket if socket.startswith("tcp://") else Path(socket)) if socket else None,
-        shm_dir=Path(env.get("STREAMER_SHM_DIR") or "/dev/shm"),
+        shm_dir=Path(env["STREAMER_SHM_DIR"]) if env.get("STREAMER_SHM_DIR") else None,
         launch_id=env.get("STREAMER_LAUNCH_ID") or None,
         torchelastic_run_id=env.get("TORCHELASTIC_RUN_ID") or None,
         connect_timeout_s=float(env.get("STREAMER_CONNECT_TIMEOUT_S") or 5.0),

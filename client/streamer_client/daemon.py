@@ -1,8 +1,9 @@
 """Daemon mode: join the node daemon's load session, map its segments, yield tensors.
 
-The protocol is documented in ``streamer_service/api.py``. Segments are files in
-``STREAMER_SHM_DIR`` (which the rank and the daemon must share), mapped once per
-stream and reused as the daemon recycles them.
+The protocol is documented in ``streamer_service/api.py``. Segments are files in the
+daemon's shm dir (its join reply says where; ``STREAMER_SHM_DIR`` overrides that where the
+rank mounts the same dir elsewhere), mapped once per stream and reused as the daemon
+recycles them.
 """
 
 from __future__ import annotations
@@ -176,7 +177,7 @@ def _empty(h: _Handle, device: torch.device) -> torch.Tensor:
 def daemon_stream(
     client: DaemonClient,
     *,
-    shm_dir: Path,
+    shm_dir: Path | None,
     uri: str,
     session: str,
     rank: int,
@@ -199,6 +200,7 @@ def daemon_stream(
         },  # fmt: skip
         read_timeout=None,  # blocks until every rank joined; the daemon enforces the join timeout
     )
+    shm_dir = shm_dir if shm_dir is not None else Path(joined["shm_dir"])
     tensors = _Receiver(client, shm_dir, joined["session_id"], rank, device, borrowed).run()
     if progress == "off":
         return tensors
@@ -241,11 +243,18 @@ class _Receiver:
                         del tensor
                     self._finish(batch[-1])
             self._client.call(f"{self._path}/leave", {})
-        except BaseException:
-            # Abandoned (GeneratorExit) or failed here: hand everything back now rather than
-            # holding segments until the daemon reclaims this rank as silent.
+        except (GeneratorExit, errors.BorrowedTensorError):
+            # Abandoned (the caller closed the iterator, or kept a borrowed view against its
+            # lifetime): hand everything back now rather than holding segments until the daemon
+            # reclaims this rank as silent.
             with contextlib.suppress(StreamerError):
                 self._client.call(f"{self._path}/leave", {})
+            raise
+        except BaseException as exc:
+            # Failed here (a segment it could not map, a copy that failed): the daemon counts this
+            # rank as failed, not as delivered (issue 13.6).
+            with contextlib.suppress(StreamerError):
+                self._client.call(f"{self._path}/leave", {"error": f"{type(exc).__name__}: {exc}"[:4096]})
             raise
         finally:
             if self._copier is not None:
