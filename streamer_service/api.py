@@ -1,7 +1,8 @@
 """The daemon's HTTP API (FastAPI on a unix socket). ``create_app(settings)``; nothing at import.
 
-Routes (JSON; errors are ``{"error": {"type", "message", "uri", "key"}}`` with the class name
-from ``streamer_client.errors``, which the client raises again):
+Routes (JSON in the format of ``streamer_client.protocol``, which both sides import; errors are
+``{"error": {"type", "message", "uri", "key"}}`` with the class name from ``streamer_client.errors``,
+which the client raises again):
 
     GET  /healthz                                   the process is up
     GET  /readyz                                    the daemon can take sessions
@@ -28,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from streamer_client import errors
+from streamer_client.protocol import JoinReply, NextReply, error_body
 
 from .daemon import Daemon
 from .metrics import CONTENT_TYPE
@@ -100,8 +102,7 @@ class _BodyLimit:
             elif not length.isdigit() or int(length) > self.limit:
                 problem = (413, f"request body of {length.decode('latin-1')!s} bytes is over the limit of {self.limit} bytes")
             if problem is not None:
-                body = {"error": {"type": "ConfigError", "message": problem[1], "uri": None, "key": None}}
-                await JSONResponse(body, status_code=problem[0])(scope, receive, send)
+                await JSONResponse(error_body("ConfigError", problem[1]), status_code=problem[0])(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 
@@ -163,23 +164,20 @@ def create_app(settings: Settings) -> FastAPI:
             presented = request.headers.get("authorization", "").removeprefix("Bearer ").encode()
             if token is None or not hmac.compare_digest(presented, token):
                 message = "missing or wrong bearer token (Authorization: Bearer $STREAMER_TOKEN)"
-                body = {"error": {"type": "StorageAccessDeniedError", "message": message, "uri": None, "key": None}}
-                return JSONResponse(body, status_code=401)
+                return JSONResponse(error_body("StorageAccessDeniedError", message), status_code=401)
         return await call_next(request)
 
     @app.exception_handler(errors.StreamerError)
     async def streamer_error(request: Request, exc: errors.StreamerError) -> JSONResponse:
         status = next((code for cls, code in _STATUS if isinstance(exc, cls)), 500)
         request.app.state.daemon.metrics.errors.labels(type=type(exc).__name__).inc()
-        body = {"error": {"type": type(exc).__name__, "message": exc.message, "uri": exc.uri, "key": exc.key}}
-        return JSONResponse(body, status_code=status)
+        return JSONResponse(error_body(type(exc).__name__, exc.message, uri=exc.uri, key=exc.key), status_code=status)
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         request.app.state.daemon.metrics.errors.labels(type="ConfigError").inc()
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()[:5])
-        body = {"error": {"type": "ConfigError", "message": f"invalid request: {problems}", "uri": None, "key": None}}
-        return JSONResponse(body, status_code=422)
+        return JSONResponse(error_body("ConfigError", f"invalid request: {problems}"), status_code=422)
 
     def daemon(request: Request) -> Daemon:
         return request.app.state.daemon
@@ -225,21 +223,16 @@ def create_app(settings: Settings) -> FastAPI:
             peer_pid=request.scope.get(PEER_PID),
         )
         rank = session.ranks[body.rank]
-        return {
-            "session_id": session.id,
-            "tensors": rank.to_hand_out,
-            "bytes": rank.nbytes,
-            "metadata_dir": str(session.checkpoint.metadata_dir),
-            # Where the segments are, as the daemon sees it; STREAMER_SHM_DIR overrides it in a rank
-            # that mounts the same dir elsewhere (issue 13.5).
-            "shm_dir": str(daemon(request).store.shm_dir),
-        }
+        # The shm dir as the daemon sees it; STREAMER_SHM_DIR overrides it in a rank that mounts
+        # the same dir elsewhere (issue 13.5).
+        shm_dir = str(daemon(request).store.shm_dir)
+        return JoinReply(session.id, rank.to_hand_out, rank.nbytes, str(session.checkpoint.metadata_dir), shm_dir).to_wire()
 
     @app.post("/v1/sessions/{session_id}/ranks/{rank}/next")
     def next_handles(session_id: str, rank: int, body: NextRequest, request: Request) -> dict:
         session = daemon(request).session(session_id)
         handles, done = session.next(rank, body.release, body.wait_s)
-        return {"handles": [h.to_json() for h in handles], "done": done}
+        return NextReply(tuple(handles), done).to_wire()
 
     @app.post("/v1/sessions/{session_id}/ranks/{rank}/leave")
     def leave(session_id: str, rank: int, request: Request, body: LeaveRequest | None = None) -> dict:

@@ -22,7 +22,8 @@ from .plan import select as select_tensors
 from .process import ProcessWatch
 from .resident import ResidentStore
 from .runai import check_credentials, storage_environment
-from .session import RankStatus, Session, SessionState
+from .ledger import UNFINISHED, RankStatus
+from .session import Session, SessionState
 from .settings import Settings
 from .shm import SegmentPool, SegmentStore, ShmBudget
 from .uri import StorageURI, parse_uri
@@ -33,9 +34,7 @@ __all__ = ["Daemon"]
 log = logging.getLogger(__name__)
 
 _REAP_INTERVAL_S = 0.5
-_ENDED_KEPT = 256
-# Ranks that did not receive everything: when they come back, they rejoin their group's load.
-_UNFINISHED = (RankStatus.LEFT, RankStatus.FAILED, RankStatus.RECLAIMED)  # how many ended sessions' outcomes are remembered (rejoins, late requests)
+_ENDED_KEPT = 256  # how many ended sessions' outcomes are remembered (rejoins, late requests)
 
 
 @dataclass
@@ -281,7 +280,7 @@ class Daemon:
         if session is not None and session.state is SessionState.STREAMING:
             return state is not None and state.status is not RankStatus.ACTIVE
         if session is not None and session.load_complete:  # ended, not yet reported
-            return state is not None and state.status in _UNFINISHED
+            return state is not None and state.status in UNFINISHED
         return session is None and rank in self._unfinished.get(key, ())
 
     def _new_session(self, key: str, checkpoint, world_size: int, *, rejoin: tuple[str, int] | None = None) -> Session:
@@ -325,7 +324,7 @@ class Daemon:
                 del self.sessions[session.key]
             if session.rejoin is None:
                 self._unfinished.pop(session.key, None)
-                left = {r.rank for r in session.ranks.values() if r.status in _UNFINISHED}
+                left = {r.rank for r in session.ranks.values() if r.status in UNFINISHED}
                 if left and session.load_complete:
                     _remember(self._unfinished, session.key, left)
             elif session.state is SessionState.DONE and all(r.status is RankStatus.DONE for r in session.ranks.values()):

@@ -8,8 +8,15 @@ batch is published to the ranks that need tensors of it, as handles
 when every rank that got handles into it has released them. A slow rank holds
 segments and so applies backpressure; nothing is ever fetched twice.
 
-A rank silent for ``rank_timeout_s`` is reclaimed (its leases released); the
-others finish. Segments are unlinked when the session ends, whatever the outcome,
+Which rank holds which batch is the rank ledger's (``ledger``); the ring of
+segments and its one-oversized rule are ``ring``'s, shared with the embedded
+engine; reading is the pipeline's, through a reader built by ``reader_factory``
+(Run:ai's native reader; tests pass a fake one and drive a session in-process).
+
+A rank whose process is gone, or that is silent for ``rank_timeout_s``, is
+reclaimed (its leases released); the others finish. A load no rank reads any
+more (all left or reclaimed) stops reading, as does every load when the daemon
+stops. Segments are unlinked when the session ends, whatever the outcome,
 except those the session kept resident (``resident``): with a retention budget, the
 tensors a previous load left in memory are handed out from there first, and only the
 rest is streamed, each batch into a segment of its own that stays for the next load.
@@ -24,14 +31,15 @@ import logging
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from streamer_client.errors import ObjectChangedError, ObjectNotFoundError, SessionError, StreamerError
+from streamer_client.protocol import Handle
 
 from .catalog import TensorInfo
 from .checkpoint import Checkpoint
+from .ledger import RankLedger, RankState, RankStatus
 from .metrics import LoadTimes
 from .pipeline import Load, LoadStats, Pipeline
 from .plan import Batch, BatchKind, Plan, build_plan, union_order
@@ -42,7 +50,7 @@ from .runai import BUFFERED_FS_STRATEGY, NativeReader
 from .shm import Reservation, Segment, SegmentPool
 from .versions import ObjectVersions
 
-__all__ = ["Handle", "Session", "SessionState", "RankState"]
+__all__ = ["Handle", "RankState", "RankStatus", "ReaderFactory", "Session", "SessionState"]
 
 log = logging.getLogger(__name__)
 
@@ -61,58 +69,6 @@ class SessionState(enum.Enum):
     FAILED = "failed"
 
 
-class RankStatus(enum.Enum):
-    ACTIVE = "active"
-    DONE = "done"  # received every tensor and left
-    LEFT = "left"  # left before receiving every tensor (abandoned)
-    FAILED = "failed"  # left with an error of its own (e.g. it could not map a segment)
-    RECLAIMED = "reclaimed"  # silent too long, or its process is gone
-
-
-@dataclass(frozen=True)
-class Handle:
-    batch: int
-    segment: str | None  # None: an empty tensor, no bytes
-    offset: int
-    nbytes: int
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    dedicated: bool  # an oversized tensor's own segment, unlinked once released
-
-    def to_json(self) -> list:
-        return [self.batch, self.segment, self.offset, self.nbytes, self.name, self.dtype, list(self.shape), self.dedicated]
-
-
-@dataclass(eq=False)
-class RankState:
-    rank: int
-    names: frozenset[str]
-    nbytes: int
-    queue: deque[Handle] = field(default_factory=deque)
-    outstanding: set[int] = field(default_factory=set)
-    to_hand_out: int = 0
-    delivered_bytes: int = 0
-    last_seen: float = field(default_factory=time.monotonic)
-    status: RankStatus = RankStatus.ACTIVE
-    error: str | None = None  # why the rank failed (RankStatus.FAILED)
-    asking: int = 0  # requests of this rank waiting in next(): it is not silent while it waits for us
-    process: ProcessWatch | None = None  # the rank's process, where the daemon can see it
-
-    @property
-    def received_everything(self) -> bool:
-        return self.status is RankStatus.DONE or (self.status is RankStatus.ACTIVE and not self.to_hand_out and not self.queue)
-
-    def gone(self) -> bool:
-        """Whether the rank's process is known to have exited."""
-        return self.process is not None and self.process.exited()
-
-    def stop_watching(self) -> None:
-        if self.process is not None:
-            self.process.close()
-            self.process = None
-
-
 @dataclass(eq=False)
 class _Slot:
     segment: Segment
@@ -123,6 +79,10 @@ class _Slot:
     @property
     def kept(self) -> bool:
         return self.reservation is None
+
+
+ReaderFactory = Callable[..., NativeReader]
+"""Builds the reader of a load (keyword arguments ``fs_strategy`` and ``environment``)."""
 
 
 class _Cancelled(Exception):
@@ -144,6 +104,7 @@ class Session:
         rejoin: tuple[str, int] | None = None,
         storage_environment: Mapping[str, str] | None = None,
         versions: ObjectVersions | None = None,
+        reader_factory: ReaderFactory = NativeReader,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.id = uuid.uuid4().hex
@@ -152,7 +113,8 @@ class Session:
         self.world_size = world_size
         self.state = SessionState.JOINING
         self.error: StreamerError | None = None
-        self.ranks: dict[int, RankState] = {}
+        self._ledger = RankLedger()
+        self.ranks: dict[int, RankState] = self._ledger.ranks
         self.stats = LoadStats()
         self.times = LoadTimes()  # for the load-duration and first-tensor histograms
         # (group key, rank): a session for one rank coming back to its group's load after dying.
@@ -168,12 +130,12 @@ class Session:
         self._on_end = on_end
         self._storage_environment = storage_environment  # Run:ai's retry/timeout variables
         self._versions = versions  # checks each loaded batch's objects before publishing it
+        self._reader_factory = reader_factory
         self._clock = clock
         self._cond = threading.Condition()
         self._ring: Ring[_Slot] = Ring(lock=self._cond)
         self._chosen: dict[int, tuple[Sequence[TensorInfo], Sequence[str] | None]] = {}  # each rank's selection
         self._slots: list[_Slot] = []  # every live segment of this session
-        self._refs: dict[int, tuple[int, _Slot | None]] = {}
         self._cancelled = False
         self.load_complete = False  # every batch was loaded and published
         self._thread: threading.Thread | None = None
@@ -209,10 +171,8 @@ class Session:
                 )
             if rank in self.ranks:
                 raise SessionError(f"rank {rank} already joined session {self.key!r}", uri=self.checkpoint.uri.normalized)
-            state = RankState(rank, frozenset(t.name for t in chosen), sum(t.nbytes for t in chosen))
-            state.to_hand_out = len(chosen)
-            state.process = process
-            self.ranks[rank] = state
+            names = frozenset(t.name for t in chosen)
+            state = self._ledger.add(rank, names, sum(t.nbytes for t in chosen), len(chosen), process, self._clock())
             self._chosen[rank] = (chosen, priority)
             if len(self.ranks) == self.expected:
                 self._start()
@@ -269,14 +229,14 @@ class Session:
             plan = self._plan(missing)
             if plan.batches:
                 fs_strategy = BUFFERED_FS_STRATEGY if self.checkpoint.uri.is_local else None
-                with NativeReader(fs_strategy=fs_strategy, environment=self._storage_environment) as reader:
+                with self._reader_factory(fs_strategy=fs_strategy, environment=self._storage_environment) as reader:
                     verify = self._versions.check if self._versions is not None else None
                     pipeline = Pipeline(self.checkpoint.uri, plan, reader, self._acquire, self.stats, verify)
                     for load in pipeline.loaded(self._wait_for_release):
                         self._publish(load)
             with self._cond:
                 self.load_complete = True
-                while not self._all_ranks_finished():
+                while not self._ledger.all_finished():
                     if self._cancelled:
                         raise _Cancelled
                     self._cond.wait(0.5)
@@ -334,18 +294,10 @@ class Session:
         with self._cond:
             for i, tensors in enumerate(by_segment.values()):
                 index = base + i
-                refs = 0
-                for r in self.ranks.values():
-                    if r.status is not RankStatus.ACTIVE:
-                        continue
-                    handles = [self._resident_handle(index, t) for t in tensors if t.name in r.names]
-                    if handles:
-                        r.queue.extend(handles)
-                        self.times.mark("first_ready")
-                        r.outstanding.add(index)
-                        refs += 1
-                if refs:
-                    self._refs[index] = (refs, None)
+                # Leased like a ring slot (ranks release it), but the resident copy owns the memory.
+                handed, _ = self._ledger.publish(index, lambda r: [self._resident_handle(index, t) for t in tensors if t.name in r.names], None)
+                if handed:
+                    self.times.mark("first_ready")
             self.resident_bytes = sum(t.nbytes for t in hits)
             self._cond.notify_all()
         self._resident.served(self.resident_bytes)
@@ -419,26 +371,21 @@ class Session:
             if self._cancelled:
                 raise _Cancelled
             segment = slot.segment.name if slot is not None else None
-            refs = 0
-            for r in self.ranks.values():
-                if r.status is not RankStatus.ACTIVE:
-                    continue
-                # A kept segment is read by later loads too: ranks map it like a ring slot.
-                dedicated = load.batch.kind is BatchKind.OVERSIZED and not slot.kept
-                handles = [
+            # A kept segment is read by later loads too: ranks map it like a ring slot.
+            dedicated = load.batch.kind is BatchKind.OVERSIZED and not slot.kept
+            placements = load.batch.placements
+
+            def handles_for(r: RankState) -> list[Handle]:
+                return [
                     Handle(load.index, segment, p.buffer_offset, p.tensor.nbytes, p.tensor.name, p.tensor.dtype, p.tensor.shape, dedicated)
-                    for p in load.batch.placements
+                    for p in placements
                     if p.tensor.name in r.names
                 ]
-                if handles:
-                    r.queue.extend(handles)
-                    self.times.mark("first_ready")
-                    if segment is not None:
-                        r.outstanding.add(load.index)
-                        refs += 1
-            if refs:
-                self._refs[load.index] = (refs, slot)
-            elif slot is not None:
+
+            handed, held = self._ledger.publish(load.index, handles_for, slot, leased=segment is not None)
+            if handed:
+                self.times.mark("first_ready")
+            if not held and slot is not None:
                 self._recycle(slot)
             self._cond.notify_all()
 
@@ -448,7 +395,7 @@ class Session:
         """Release ``release``; return ready handles (waiting up to ``wait_s``) and whether this rank is done."""
         with self._cond:
             state = self._rank(rank)
-            self._release(state, release)
+            self._recycle_all(self._ledger.release(state, release))
             state.last_seen = self._clock()
             deadline = self._clock() + wait_s
             state.asking += 1
@@ -464,35 +411,15 @@ class Session:
                 raise self.error
             if state.status is RankStatus.RECLAIMED:
                 raise self._reclaimed(rank)
-            handles: list[Handle] = []
-            # Whole batches only: the client releases every batch of a reply once it has consumed it.
-            # About a slot's worth per reply, so that a rank polls (and shows it is alive) as it
-            # consumes, however much is ready: a load served from memory has everything ready at once.
-            nbytes = 0
-            while state.queue and (
-                (len(handles) < MAX_HANDLES_PER_REPLY and nbytes < self._slot_size) or state.queue[0].batch == handles[-1].batch
-            ):
-                handle = state.queue.popleft()
-                handles.append(handle)
-                nbytes += handle.nbytes
-                state.delivered_bytes += handle.nbytes
-            state.to_hand_out -= len(handles)
+            # About a slot's worth per reply: a load served from memory has everything ready at once.
+            handles = self._ledger.take(state, MAX_HANDLES_PER_REPLY, self._slot_size)
             state.last_seen = self._clock()
             return handles, state.to_hand_out == 0
 
     def leave(self, rank: int, error: str | None = None) -> None:
         """The rank is finished, abandons the load, or failed with ``error``: release everything it holds."""
         with self._cond:
-            state = self._rank(rank)
-            if state.status is RankStatus.ACTIVE:
-                complete = not state.to_hand_out and not state.queue
-                self._release(state, list(state.outstanding))
-                state.queue.clear()
-                state.stop_watching()
-                if error is not None:
-                    state.status, state.error = RankStatus.FAILED, error
-                else:
-                    state.status = RankStatus.DONE if complete else RankStatus.LEFT
+            self._recycle_all(self._ledger.leave(self._rank(rank), error))
             self._stop_if_abandoned()
             self._cond.notify_all()
 
@@ -519,28 +446,17 @@ class Session:
     def _stop_if_abandoned(self) -> None:
         # Issue 13.1: a load no rank reads any more stops reading (before, only a session whose
         # ranks were all reclaimed did, and one whose ranks left read the rest for nobody).
-        if self.state is SessionState.STREAMING and not any(r.status is RankStatus.ACTIVE for r in self.ranks.values()):
+        if self.state is SessionState.STREAMING and not self._ledger.any_active():
             self._cancelled = True
 
     def reap(self, now: float, rank_timeout_s: float) -> None:
-        """Reclaim ranks silent for longer than ``rank_timeout_s``."""
+        """Reclaim ranks whose process is gone or that were silent for longer than ``rank_timeout_s``."""
         with self._cond:
             if self.state is not SessionState.STREAMING:
                 return
-            for state in self.ranks.values():
-                if state.status is not RankStatus.ACTIVE:
-                    continue
-                if state.gone():
-                    why = "its process is gone"
-                elif not state.asking and now - state.last_seen > rank_timeout_s:
-                    why = f"silent for {now - state.last_seen:.1f} s"
-                else:
-                    continue
-                log.warning("session %s: rank %d %s; reclaiming its %d leases", self.key, state.rank, why, len(state.outstanding))
-                self._release(state, list(state.outstanding))
-                state.queue.clear()
-                state.stop_watching()
-                state.status = RankStatus.RECLAIMED
+            for state, why, freed in self._ledger.reclaim(now, rank_timeout_s):
+                log.warning("session %s: rank %d %s", self.key, state.rank, why)
+                self._recycle_all(freed)
             self._stop_if_abandoned()
             self._cond.notify_all()
 
@@ -559,18 +475,9 @@ class Session:
             uri=self.checkpoint.uri.normalized,
         )
 
-    def _release(self, state: RankState, batches: Sequence[int]) -> None:
-        for index in batches:
-            if index not in state.outstanding:
-                continue
-            state.outstanding.discard(index)
-            refs, slot = self._refs[index]
-            if refs > 1:
-                self._refs[index] = (refs - 1, slot)
-            else:
-                del self._refs[index]
-                if slot is not None:
-                    self._recycle(slot)
+    def _recycle_all(self, slots: Sequence[_Slot]) -> None:
+        for slot in slots:
+            self._recycle(slot)
         self._cond.notify_all()
 
     def _recycle(self, slot: _Slot) -> None:
@@ -581,12 +488,6 @@ class Session:
             # Unlinked now; ranks dropped their mappings of it when they released it.
             self._pool.give(slot.segment, slot.reservation, keep=False, now=self._clock())
         self._ring.give(slot, oversized=slot.oversized)
-
-    def _all_ranks_finished(self) -> bool:
-        return all(
-            r.status is not RankStatus.ACTIVE or (not r.to_hand_out and not r.outstanding and not r.queue)
-            for r in self.ranks.values()
-        )
 
     # ------------------------------------------------------------------ ending
 
@@ -605,11 +506,9 @@ class Session:
 
     def _release_segments(self) -> None:
         with self._cond:
-            for r in self.ranks.values():
-                r.stop_watching()
+            self._ledger.clear()
             slots, self._slots = self._slots, []
             self._ring.drain()
-            self._refs.clear()
         for slot in slots:
             if not slot.kept:
                 self._pool.give(slot.segment, slot.reservation, keep=not slot.oversized, now=self._clock())
@@ -630,13 +529,7 @@ class Session:
                 "bytes_read": self.stats.bytes_read,
                 "bytes_from_memory": self.resident_bytes,
                 "rejoin_of": self.rejoin[0] if self.rejoin else None,
-                "ranks": {
-                    r.rank: {
-                        "status": r.status.value, "bytes_selected": r.nbytes, "bytes_delivered": r.delivered_bytes,
-                        **({"error": r.error} if r.error else {}),
-                    }
-                    for r in self.ranks.values()
-                },  # fmt: skip
+                "ranks": self._ledger.summary(),
                 "error": str(self.error) if self.error else None,
             }
 

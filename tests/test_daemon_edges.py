@@ -187,7 +187,7 @@ def test_ranks_learn_the_shm_dir_from_the_daemon(sample, tmp_path, daemon):
     result = subprocess.run([sys.executable, "-c", code, str(sample)], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert int(result.stdout) == len(_catalog(sample).tensors)
-    assert d.stats()["finished"][-1]["state"] == "done"
+    assert _ended(d)[-1]["state"] == "done"
     # STREAMER_SHM_DIR still wins (a rank that mounts the dir elsewhere): a wrong one fails clearly.
     bad = subprocess.run([sys.executable, "-c", code, str(sample)], env={**env, "STREAMER_SHM_DIR": str(tmp_path)},
                          capture_output=True, text=True, timeout=120)  # fmt: skip
@@ -227,7 +227,7 @@ def test_a_checkpoint_of_zero_tensors_loads_through_the_daemon(tmp_path, daemon)
     code = "import streamer_client,sys; print(len(streamer_client.load_state_dict(sys.argv[1])))"
     result = subprocess.run([sys.executable, "-c", code, str(src)], env=d.rank_env(), capture_output=True, text=True, timeout=120)
     assert (result.returncode, result.stdout.strip()) == (0, "0"), result.stderr[-2000:]
-    assert d.stats()["finished"][-1]["state"] == "done"
+    assert _ended(d)[-1]["state"] == "done"
 
 
 @pytest.mark.parametrize("bad_first", [True, False], ids=["refused-first", "refused-last"])
@@ -298,4 +298,4 @@ def test_priority_order_through_the_daemon_is_the_embedded_order(sample, daemon)
     assert want[0].startswith("model.layers.3.") and want != names
     assert json.loads(embedded.stdout) == want
     assert json.loads(through.stdout) == want
-    assert d.stats()["finished"][-1]["state"] == "done"
+    assert _ended(d)[-1]["state"] == "done"

@@ -188,6 +188,7 @@ def test_an_object_overwritten_mid_load_fails_naming_the_key_never_mixing(cloud_
 def test_in_process_loads_check_object_versions_too(sample, tmp_path):
     """The embedded engine (no daemon) runs the same check: a local shard rewritten mid-load."""
     from streamer_client.errors import ObjectChangedError
+    from streamer_client.request import StreamRequest
     from streamer_service.embedded import stream
     from streamer_service.settings import Settings
 
@@ -198,7 +199,7 @@ def test_in_process_loads_check_object_versions_too(sample, tmp_path):
     settings = Settings(shm_budget="2MiB", slot_size="1MiB")
     got = []
     with pytest.raises(ObjectChangedError) as info:
-        for name, _ in stream(str(src), settings):
+        for name, _ in stream(StreamRequest(str(src)), settings):
             if not got:
                 (src / shard).write_bytes((new / shard).read_bytes())  # same size, other bytes
             got.append(name)

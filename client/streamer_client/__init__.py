@@ -11,6 +11,7 @@ Public API (the names other projects rely on)::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from collections.abc import Iterator, Sequence
@@ -20,11 +21,12 @@ from typing import TYPE_CHECKING
 from . import _config, errors
 from .errors import StreamerError
 from .launch import resolve_launch_id
+from .request import StreamRequest
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["pull_metadata", "stream", "load_state_dict", "errors", "StreamerError", "__version__"]
+__all__ = ["pull_metadata", "stream", "load_state_dict", "errors", "StreamerError", "StreamRequest", "__version__"]
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +87,10 @@ def _daemon(socket: str | os.PathLike | None):
     return None
 
 
-def _names(value: str | Sequence[str] | None) -> list[str] | None:
+def _names(value: str | Sequence[str] | None) -> tuple[str, ...] | None:
     if value is None:
         return None
-    return [value] if isinstance(value, str) else list(value)
+    return (value,) if isinstance(value, str) else tuple(value)
 
 
 def stream(
@@ -130,48 +132,28 @@ def stream(
     ``STREAMER_PROGRESS`` (``auto``: only on a terminal). It needs tqdm, which this package does
     not install; without it ``ConfigError`` says so, before anything is loaded.
     """
-    if not (0 <= rank < world_size):
-        from .errors import ConfigError
-
-        raise ConfigError(f"rank {rank} is outside world_size {world_size}")
-    bar_mode = _progress_mode(progress)
-    uri = os.fspath(uri) if isinstance(uri, os.PathLike) else uri
-    client = _daemon(socket)
-    if client is not None:
-        from .daemon import daemon_stream
-        from .devices import resolve_device
-
-        launch = launch_id or _launch_id()
-        return daemon_stream(
-            client,
-            shm_dir=_config.client_config().shm_dir,
-            uri=uri,
-            session=session or f"{launch}:{uri}",
-            rank=rank,
-            world_size=world_size,
-            select=_names(select),
-            priority=_names(priority),
-            device=resolve_device(device),
-            borrowed=borrowed,
-            launch_id=launch,
-            progress=bar_mode,
-        )
-    from ._embedded import service, settings
-
-    cfg = settings(
-        cache_dir=Path(cache_dir) if cache_dir is not None else None,
-        shm_budget=budget,
-    )
-    return service("embedded").stream(
-        os.fspath(uri) if isinstance(uri, os.PathLike) else uri,
-        cfg,
+    request = StreamRequest(
+        uri=os.fspath(uri) if isinstance(uri, os.PathLike) else uri,
         select=_names(select),
         priority=_names(priority),
+        rank=rank,
+        world_size=world_size,
         device=device,
         borrowed=borrowed,
         launch_id=launch_id,
-        progress=bar_mode,
+        session=session,
+        progress=_progress_mode(progress),
+        budget=budget,
+        cache_dir=Path(cache_dir) if cache_dir is not None else None,
     )
+    client = _daemon(socket)
+    if client is not None:
+        from .daemon import daemon_stream
+
+        return daemon_stream(client, dataclasses.replace(request, launch_id=launch_id or _launch_id()))
+    from ._embedded import stream_in_process
+
+    return stream_in_process(request)
 
 
 def _progress_mode(asked: bool) -> str:

@@ -17,12 +17,26 @@ def service(module: str) -> ModuleType:
     try:
         return importlib.import_module(f"streamer_service.{module}")
     except ModuleNotFoundError as exc:
-        if exc.name and exc.name.split(".")[0] == "streamer_service":
-            raise ConfigError(
-                "no streamer-service daemon is configured (STREAMER_SOCKET) and the streamer-service "
-                "package is not installed for in-process mode: pip install streamer-service"
-            ) from None
-        raise
+        raise _not_installed(exc) from None
+
+
+def stream_in_process(request):
+    """:func:`streamer_service.embedded.stream` for ``request`` (a :class:`StreamRequest`), with
+    its budget and cache dir over the configured settings."""
+    try:
+        from streamer_service.embedded import stream
+    except ModuleNotFoundError as exc:
+        raise _not_installed(exc) from None
+    return stream(request, settings(cache_dir=request.cache_dir, shm_budget=request.budget))
+
+
+def _not_installed(exc: ModuleNotFoundError) -> BaseException:
+    if exc.name and exc.name.split(".")[0] == "streamer_service":
+        return ConfigError(
+            "no streamer-service daemon is configured (STREAMER_SOCKET) and the streamer-service "
+            "package is not installed for in-process mode: pip install streamer-service"
+        )
+    return exc
 
 
 def settings(**overrides):

@@ -15,21 +15,22 @@ import mmap
 import os
 import warnings
 import weakref
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
 
 import httpx
 import numpy as np
 import torch
 
-from . import errors
+from . import errors, protocol
 from ._config import client_config
 from .dtypes import byte_view, tensor_over, torch_dtype
 from .errors import DaemonError, StreamerError
 from .leases import Leases
+from .devices import resolve_device
 from .progress import track
+from .protocol import Handle, JoinReply, NextReply
+from .request import StreamRequest
 
 __all__ = ["DaemonClient", "daemon_stream"]
 
@@ -85,35 +86,8 @@ class DaemonClient:
         except ValueError:
             raise DaemonError(f"streamer daemon at {self.socket} answered {reply.status_code} without JSON") from None
         if reply.status_code >= 400:
-            raise _error_from(data, reply.status_code, self.socket)
+            raise protocol.error_from_body(data, reply.status_code, self.socket)
         return data
-
-
-def _error_from(data: Any, status: int, socket: Path | str) -> StreamerError:
-    info = data.get("error") if isinstance(data, dict) else None
-    if not isinstance(info, dict):
-        return DaemonError(f"streamer daemon at {socket} answered {status}: {data!r}")
-    cls = getattr(errors, str(info.get("type")), None)
-    if not (isinstance(cls, type) and issubclass(cls, StreamerError)):
-        cls = StreamerError
-    return cls(str(info.get("message")), uri=info.get("uri"), key=info.get("key"))
-
-
-@dataclass(frozen=True)
-class _Handle:
-    batch: int
-    segment: str | None
-    offset: int
-    nbytes: int
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    dedicated: bool
-
-    @classmethod
-    def parse(cls, raw: list) -> "_Handle":
-        batch, segment, offset, nbytes, name, dtype, shape, dedicated = raw
-        return cls(batch, segment, offset, nbytes, name, dtype, tuple(shape), dedicated)
 
 
 class _Segments:
@@ -170,47 +144,39 @@ class _Segments:
             self.drop(name)
 
 
-def _empty(h: _Handle, device: torch.device) -> torch.Tensor:
+def _empty(h: Handle, device: torch.device) -> torch.Tensor:
     return torch.empty(h.shape, dtype=torch_dtype(h.dtype), device=device)
 
 
-def daemon_stream(
-    client: DaemonClient,
-    *,
-    shm_dir: Path | None,
-    uri: str,
-    session: str,
-    rank: int,
-    world_size: int,
-    select: Sequence[str] | None,
-    priority: Sequence[str] | None,
-    device: torch.device,
-    borrowed: bool,
-    launch_id: str | None,
-    progress: str = "off",
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Join (eagerly: selection errors raise here) and return the iterator over the tensors."""
-    joined = client.call(
-        "/v1/sessions/join",
+def daemon_stream(client: DaemonClient, request: StreamRequest) -> Iterator[tuple[str, torch.Tensor]]:
+    """Join (eagerly: selection errors raise here) and return the iterator over the tensors.
+    ``request.launch_id`` is resolved already."""
+    device = resolve_device(request.device)
+    cfg = client_config()
+    reply = client.call(
+        protocol.JOIN_PATH,
         {
-            "uri": uri, "session": session, "rank": rank, "world_size": world_size,
-            "select": list(select) if select is not None else None,
-            "priority": list(priority) if priority else None, "launch_id": launch_id,
-            "force": client_config().force_pull,
+            "uri": request.uri, "session": request.session_key, "rank": request.rank,
+            "world_size": request.world_size,
+            "select": list(request.select) if request.select is not None else None,
+            "priority": list(request.priority) if request.priority else None, "launch_id": request.launch_id,
+            "force": cfg.force_pull,
         },  # fmt: skip
         read_timeout=None,  # blocks until every rank joined; the daemon enforces the join timeout
     )
-    shm_dir = shm_dir if shm_dir is not None else Path(joined["shm_dir"])
-    tensors = _Receiver(client, shm_dir, joined["session_id"], rank, device, borrowed).run()
-    if progress == "off":
+    joined = JoinReply.from_wire(reply)
+    shm_dir = cfg.shm_dir if cfg.shm_dir is not None else Path(joined.shm_dir)
+    tensors = _Receiver(client, shm_dir, joined.session_id, request.rank, device, request.borrowed).run()
+    if request.progress == "off":
         return tensors
-    return track(tensors, total=joined["bytes"], desc=f"rank {rank}", mode=progress)
+    return track(tensors, total=joined.bytes, desc=f"rank {request.rank}", mode=request.progress)
 
 
 class _Receiver:
     def __init__(self, client: DaemonClient, shm_dir: Path, session_id: str, rank: int, device: torch.device, borrowed: bool) -> None:
         self._client = client
-        self._path = f"/v1/sessions/{session_id}/ranks/{rank}"
+        self._next = protocol.rank_path(session_id, rank, "next")
+        self._leave = protocol.rank_path(session_id, rank, "leave")
         self._segments = _Segments(shm_dir, private=borrowed)
         self._device = device
         self._borrowed = borrowed
@@ -229,11 +195,11 @@ class _Receiver:
             while not done:
                 if self._copier is not None:
                     self._copier.drain()  # every queued copy done: its batch is on the release list
-                reply = self._client.call(f"{self._path}/next", {"release": self._release, "wait_s": POLL_WAIT_S})
+                reply = NextReply.from_wire(self._client.call(self._next, {"release": self._release, "wait_s": POLL_WAIT_S}))
                 self._release = []
-                done = reply["done"]
+                done = reply.done
                 # A reply holds whole batches, in order.
-                for batch in _by_batch(_Handle.parse(raw) for raw in reply["handles"]):
+                for batch in _by_batch(reply.handles):
                     if self._copier is not None:
                         yield from self._to_device(batch)
                         continue
@@ -242,26 +208,26 @@ class _Receiver:
                         yield handle.name, tensor
                         del tensor
                     self._finish(batch[-1])
-            self._client.call(f"{self._path}/leave", {})
+            self._client.call(self._leave, {})
         except (GeneratorExit, errors.BorrowedTensorError):
             # Abandoned (the caller closed the iterator, or kept a borrowed view against its
             # lifetime): hand everything back now rather than holding segments until the daemon
             # reclaims this rank as silent.
             with contextlib.suppress(StreamerError):
-                self._client.call(f"{self._path}/leave", {})
+                self._client.call(self._leave, {})
             raise
         except BaseException as exc:
             # Failed here (a segment it could not map, a copy that failed): the daemon counts this
             # rank as failed, not as delivered (issue 13.6).
             with contextlib.suppress(StreamerError):
-                self._client.call(f"{self._path}/leave", {"error": f"{type(exc).__name__}: {exc}"[:4096]})
+                self._client.call(self._leave, {"error": f"{type(exc).__name__}: {exc}"[:4096]})
             raise
         finally:
             if self._copier is not None:
                 self._copier.close()  # waits for copies in flight, unpins the segments
             self._segments.close()
 
-    def _materialize(self, h: _Handle) -> torch.Tensor:
+    def _materialize(self, h: Handle) -> torch.Tensor:
         if h.segment is None:
             return _empty(h, self._device)
         view = self._segments.view(h.segment, h.offset, h.nbytes)
@@ -275,7 +241,7 @@ class _Receiver:
             byte_view(out).numpy()[:] = view
         return out
 
-    def _to_device(self, batch: list[_Handle]) -> Iterator[tuple[str, torch.Tensor]]:
+    def _to_device(self, batch: list[Handle]) -> Iterator[tuple[str, torch.Tensor]]:
         """Queue the batch's copies from pinned shared memory, fence them, release after they land."""
         copier = self._copier
         head = batch[0]
@@ -302,7 +268,7 @@ class _Receiver:
             yield h.name, tensor
         tensors.clear()
 
-    def _finish(self, h: _Handle) -> None:
+    def _finish(self, h: Handle) -> None:
         """Every tensor of ``h.batch`` for this rank was handed out: release it (borrowed: check views)."""
         if h.segment is None:
             return
@@ -313,8 +279,8 @@ class _Receiver:
             self._segments.drop(h.segment)
 
 
-def _by_batch(handles: Iterator[_Handle]) -> Iterator[list[_Handle]]:
-    group: list[_Handle] = []
+def _by_batch(handles: Iterable[Handle]) -> Iterator[list[Handle]]:
+    group: list[Handle] = []
     for h in handles:
         if group and h.batch != group[-1].batch:
             yield group

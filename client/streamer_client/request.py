@@ -1,0 +1,41 @@
+"""One rank's load as a value: what :func:`streamer_client.stream` was asked for.
+
+The one declared entry point between the public API and the two ways of loading: the daemon
+client (``streamer_client.daemon.daemon_stream``) and in-process mode
+(``streamer_service.embedded.stream``) each take a :class:`StreamRequest`, instead of a dozen
+keyword arguments passed along twice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ConfigError
+
+__all__ = ["StreamRequest"]
+
+
+@dataclass(frozen=True)
+class StreamRequest:
+    uri: str
+    select: tuple[str, ...] | None = None  # tensor names and/or name prefixes; None: every tensor
+    priority: tuple[str, ...] | None = None  # delivered first, in the order of the entries
+    rank: int = 0
+    world_size: int = 1
+    device: str = "cpu"
+    borrowed: bool = False
+    launch_id: str | None = None
+    session: str | None = None  # the ranks' shared load (daemon mode); None: launch id and URI
+    progress: str = "off"  # the bar mode, already checked: off | on | auto
+    budget: int | str | None = None  # in-process buffer budget; None: STREAMER_SHM_BUDGET
+    cache_dir: Path | None = None  # in-process metadata cache; None: STREAMER_CACHE_DIR
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.rank < self.world_size):
+            raise ConfigError(f"rank {self.rank} is outside world_size {self.world_size}")
+
+    @property
+    def session_key(self) -> str:
+        """The daemon session this rank joins (needs the launch id resolved)."""
+        return self.session or f"{self.launch_id}:{self.uri}"

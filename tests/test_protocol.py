@@ -1,0 +1,46 @@
+"""The wire format both sides import (streamer_client.protocol): round trips and error bodies."""
+
+from __future__ import annotations
+
+import json
+import pickle
+
+from streamer_client import errors, protocol
+from streamer_client.protocol import Handle, JoinReply, NextReply
+
+
+def _wire(obj):
+    return json.loads(json.dumps(obj.to_wire()))  # what crosses the socket
+
+
+def test_replies_round_trip_through_json():
+    handles = (
+        Handle(0, "streamer-1-ab-1", 4096, 12, "w", "BF16", (2, 3), False),
+        Handle(1, None, 0, 0, "empty", "F32", (0,), False),
+        Handle(2, "streamer-1-ab-2", 0, 1 << 33, "big", "U8", (1 << 33,), True),
+    )
+    assert NextReply.from_wire(_wire(NextReply(handles, True))) == NextReply(handles, True)
+    joined = JoinReply("id", 3, 1 << 33, "/cache/x", "/dev/shm")
+    assert JoinReply.from_wire(_wire(joined)) == joined
+
+
+def test_error_bodies_become_the_same_error_again():
+    body = json.loads(json.dumps(protocol.error_body("SelectionError", "entry 'x' matches nothing", uri="s3://b/m", key="x")))
+    error = protocol.error_from_body(body, 400, "/run/d.sock")
+    assert type(error) is errors.SelectionError and isinstance(error, ValueError)
+    assert (error.message, error.uri, error.key) == ("entry 'x' matches nothing", "s3://b/m", "x")
+    assert pickle.loads(pickle.dumps(error)).key == "x"
+
+
+def test_unknown_or_foreign_error_bodies_are_still_errors():
+    unknown = protocol.error_from_body(protocol.error_body("NoSuchError", "m"), 500, "/s")
+    assert type(unknown) is errors.StreamerError and unknown.message == "m"
+    foreign = protocol.error_from_body({"detail": "Not Found"}, 404, "/s")
+    assert type(foreign) is errors.DaemonError and "/s answered 404" in str(foreign)
+    # A class name that is not an error class is not instantiated.
+    assert type(protocol.error_from_body(protocol.error_body("Path", "m"), 500, "/s")) is errors.StreamerError
+
+
+def test_paths():
+    assert protocol.rank_path("abc", 3, "next") == "/v1/sessions/abc/ranks/3/next"
+    assert protocol.JOIN_PATH == "/v1/sessions/join"
