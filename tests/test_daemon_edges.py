@@ -17,7 +17,6 @@ import pytest
 from daemon_harness import DaemonProcess, finish, finish_failed
 from streamer_service.catalog import build_catalog
 from streamer_service.plan import select as plan_select
-from streamer_service.sample import rank_selection
 from streamer_service.settings import Settings
 from streamer_service.storage import open_storage
 from streamer_service.uri import parse_uri
@@ -253,26 +252,6 @@ def test_one_ranks_bad_selection_fails_the_others_at_once(sample, daemon, bad_fi
     # Fixed, the same launch loads: the refusal is not remembered against it.
     again = [d.start_rank(str(sample), r, 2, sample, names, STREAMER_LAUNCH_ID="l1") for r in range(2)]
     assert all(finish(p)["got"] == names for p in again)
-
-
-def test_a_dead_rank_is_reclaimed_without_waiting_for_the_rank_timeout(sample, daemon):
-    """Issue 14.8: its process is gone (the unix socket told the daemon its PID): the others go on
-    at once. With a 600 s rank timeout they would otherwise wait that long."""
-    names = [t.name for t in _catalog(sample).tensors]
-    selections = [rank_selection(names, r, 3) for r in range(3)]
-    d = daemon({"STREAMER_SLOT_SIZE": "1MiB", "STREAMER_RANK_TIMEOUT_S": "600"}, "--shm-budget", "3MiB")
-    ranks = [d.start_rank(str(sample), r, 3, sample, selections[r]) for r in range(3)]
-    victim = ranks[1]
-    assert victim.stderr.readline().startswith("got ")  # it holds leases now
-    victim.send_signal(signal.SIGKILL)
-    victim.wait()
-    for p in (ranks[0], ranks[2]):
-        result = finish(p, timeout=120)
-        assert result["bad"] == [] and len(result["got"]) == len(selections[result["rank"]])
-    finished = _ended(d)[-1]
-    assert finished["ranks"]["1"]["status"] == "reclaimed"
-    assert "its process is gone" in d.log.read_text()
-    assert list(d.shm_dir.iterdir()) == []
 
 
 PRIORITY_RANK = """
