@@ -37,11 +37,6 @@ def _settings(args: argparse.Namespace) -> Settings:
     return Settings(**update) if update else get_settings()
 
 
-def progress_mode(args: argparse.Namespace) -> str:
-    """``--progress`` / ``--no-progress``, else ``STREAMER_PROGRESS`` (``auto``: bars on a terminal only)."""
-    return args.progress or get_settings().progress
-
-
 def cmd_pull(args: argparse.Namespace) -> int:
     from .launch import resolve_launch_id
     from .metadata import MetadataCache
@@ -50,7 +45,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
     # A CLI invocation is its own launch unless one is configured: `pull --force`
     # typed twice in one shell re-downloads twice (docs/metadata-cache.md).
     launch = resolve_launch_id(settings, args.launch_id, fallback=f"cli-{os.getpid()}")
-    path = MetadataCache(settings, progress=progress_mode(args)).pull(args.uri, force=True if args.force else None, launch_id=launch)
+    path = MetadataCache(settings, progress=logs.progress_mode(args.progress)).pull(args.uri, force=True if args.force else None, launch_id=launch)
     print(path)
     return EXIT_OK
 

@@ -36,8 +36,16 @@ class RankResult:
     error: str | None
 
 
-def _rank_main(uri: str, truth_dir: str | None, rank: int, world_size: int, select: list[str], env: dict, queue) -> None:
-    os.environ.update(env)
+@dataclass(frozen=True)
+class _Launch:
+    """What every rank process of the demo is told (as arguments: nobody's environment is written)."""
+
+    socket: str | None  # the demo's daemon; None: STREAMER_SOCKET as configured (embedded: unset)
+    launch_id: str
+    cache_dir: str  # in-process mode's metadata cache
+
+
+def _rank_main(uri: str, truth_dir: str | None, rank: int, world_size: int, select: list[str], launch: _Launch, queue) -> None:
     try:
         import streamer_client
 
@@ -48,7 +56,10 @@ def _rank_main(uri: str, truth_dir: str | None, rank: int, world_size: int, sele
         received = {}
         nbytes = 0
         # stream() returns once the session is joined (and the selection checked); reading starts then.
-        tensors = streamer_client.stream(uri, select=select, rank=rank, world_size=world_size)
+        tensors = streamer_client.stream(
+            uri, select=select, rank=rank, world_size=world_size,
+            socket=launch.socket, launch_id=launch.launch_id, cache_dir=launch.cache_dir,
+        )  # fmt: skip
         joined = time.perf_counter()
         unreported = 0
         for name, tensor in tensors:
@@ -61,13 +72,13 @@ def _rank_main(uri: str, truth_dir: str | None, rank: int, world_size: int, sele
                 unreported = 0
         queue.put(unreported)
         seconds = time.perf_counter() - joined
-        mismatches = _verify(uri, truth_dir, received, select)
+        mismatches = _verify(uri, truth_dir, received, select, launch.cache_dir)
         queue.put(RankResult(rank, len(received), nbytes, joined - started, seconds, tuple(mismatches), None))
     except Exception as exc:  # noqa: BLE001 - reported in the table, and the demo exits non-zero
         queue.put(RankResult(rank, 0, 0, 0.0, 0.0, (), f"{type(exc).__name__}: {exc}"))
 
 
-def _verify(uri: str, truth_dir: str | None, received: dict, select: list[str]) -> list[str]:
+def _verify(uri: str, truth_dir: str | None, received: dict, select: list[str], cache_dir: str) -> list[str]:
     """Names whose bytes, dtype or shape differ from ground truth, plus any missing or extra."""
     import torch
 
@@ -85,11 +96,11 @@ def _verify(uri: str, truth_dir: str | None, received: dict, select: list[str]) 
             if not (expected.dtype == tensor.dtype and expected.shape == tensor.shape and torch.equal(expected, tensor)):
                 bad.append(name)
     else:
-        bad.extend(_verify_against_storage(uri, received))
+        bad.extend(_verify_against_storage(uri, received, cache_dir))
     return bad
 
 
-def _verify_against_storage(uri: str, received: dict) -> list[str]:
+def _verify_against_storage(uri: str, received: dict, cache_dir: str) -> list[str]:
     """Remote checkpoints: compare with the bytes the cloud SDK reads (an independent path)."""
     import torch
 
@@ -97,7 +108,7 @@ def _verify_against_storage(uri: str, received: dict) -> list[str]:
     from .settings import get_settings
     from .storage import open_storage
 
-    settings = get_settings()
+    settings = get_settings().model_copy(update={"cache_dir": Path(cache_dir)})
     checkpoint = open_checkpoint(uri, settings)
     bad = []
     with open_storage(checkpoint.uri, settings) as storage:
@@ -135,20 +146,22 @@ def run(args: argparse.Namespace) -> int:
             print(f"demo: writing a ~{args.size_mb} MB sample checkpoint to {truth_dir}", flush=True)
             build_sample(Path(truth_dir), args.size_mb)
             uri = truth_dir
-        os.environ.setdefault("STREAMER_CACHE_DIR", str(Path(tmp) / "cache"))
-        get_settings.cache_clear()
-        catalog = open_checkpoint(uri, get_settings()).catalog
+        settings = get_settings()
+        if "cache_dir" not in settings.model_fields_set:  # STREAMER_CACHE_DIR unset: a cache of its own
+            settings = settings.model_copy(update={"cache_dir": Path(tmp) / "cache"})
+        catalog = open_checkpoint(uri, settings).catalog
         names = [t.name for t in catalog.tensors]
         selections = [rank_selection(names, r, args.ranks) for r in range(args.ranks)]
         union = set().union(*map(set, selections))
         unique_bytes = sum(catalog[n].nbytes for n in union)
         requested = sum(catalog[n].nbytes for sel in selections for n in sel)
 
-        daemon = None if args.embedded else ChildDaemon(Path(tmp), args.shm_budget)
+        cache_env = {"STREAMER_CACHE_DIR": str(settings.cache_dir)}
+        daemon = None if args.embedded else ChildDaemon(Path(tmp), args.shm_budget, env=cache_env)
         try:
-            env = daemon.env() if daemon else {}
-            env["STREAMER_LAUNCH_ID"] = f"demo-{os.getpid()}"
-            results, wall = _run_ranks(uri, truth_dir, selections, env, _progress(args, requested))
+            socket = str(daemon.socket) if daemon else None
+            launch = _Launch(socket, f"demo-{os.getpid()}", str(settings.cache_dir))
+            results, wall = _run_ranks(uri, truth_dir, selections, launch, _progress(args, requested))
             stats = daemon.stats() if daemon else None
             storage_bytes = stats["bytes_read"] if stats else requested
             peak_shm = stats["shm_peak"] if stats else None
@@ -188,18 +201,18 @@ def _progress(args: argparse.Namespace, total: int):
     """A bar of the bytes all ranks received and their aggregate GB/s (quiet unless on a terminal)."""
     from streamer_client.progress import bar
 
-    from .cli import progress_mode
+    from .logs import progress_mode
 
-    return bar(total=total, desc=f"{args.ranks} ranks", mode=progress_mode(args))
+    return bar(total=total, desc=f"{args.ranks} ranks", mode=progress_mode(args.progress))
 
 
-def _run_ranks(uri: str, truth_dir: str | None, selections: list[list[str]], env: dict, progress) -> tuple[list[RankResult], float]:
+def _run_ranks(uri: str, truth_dir: str | None, selections: list[list[str]], launch: _Launch, progress) -> tuple[list[RankResult], float]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     world = len(selections)
     started = time.perf_counter()
     procs = [
-        ctx.Process(target=_rank_main, args=(uri, truth_dir, r, world, selections[r], env, queue))
+        ctx.Process(target=_rank_main, args=(uri, truth_dir, r, world, selections[r], launch, queue))
         for r in range(world)
     ]
     for p in procs:

@@ -3,6 +3,14 @@
 ``flock`` is released by the kernel when its holder dies, so a puller killed
 with SIGKILL never leaves the lock held. The lock only prevents doing work
 twice; correctness comes from the temp dir + rename in ``metadata``.
+
+Why not ``filelock`` (installed with torch; issue 13 asked): the daemon must not need torch's
+dependencies, and filelock 4.3 on Linux does more than ``flock``: it creates and unlinks
+``.filelock-probe-*`` files in the lock's directory (our cache root) to detect filesystems
+without ``flock``, may fall back to "soft" locks, and swaps a lock file aside when it finds an
+interrupted one (``filelock/_native/_unix.py``). Our rule is a lock file beside the dir it
+guards that is never deleted, and nothing else in the cache root. It also logs no "still
+waiting": we would wrap it in this same loop. This loop is 40 lines over one system call.
 """
 
 from __future__ import annotations

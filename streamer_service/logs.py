@@ -1,4 +1,5 @@
-"""Log output of the CLI and the daemon: a level and a format (``text`` or ``json``).
+"""Log output of the CLI and the daemon: a level and a format (``text`` or ``json``); and whether
+the CLI's commands draw progress bars (:func:`progress_mode`).
 
 ``json`` writes one object per line for log collectors (Loki, Cloud Logging, Elasticsearch):
 ``time`` (UTC, ISO 8601), ``level``, ``logger``, ``message``, the fields passed with
@@ -15,7 +16,7 @@ import logging
 import sys
 from datetime import datetime, timezone
 
-__all__ = ["JsonFormatter", "TEXT_FORMAT", "configure"]
+__all__ = ["JsonFormatter", "TEXT_FORMAT", "configure", "progress_mode"]
 
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -50,3 +51,12 @@ def configure(level: str, fmt: str, stream=None) -> None:
     root.addHandler(handler)
     root.setLevel(level)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
+
+
+def progress_mode(asked: str | None) -> str:
+    """A command's ``--progress`` / ``--no-progress`` (``asked``), else ``STREAMER_PROGRESS``
+    (``auto``: bars on a terminal only). Here, not in ``cli``, so that the commands ``cli`` imports
+    (``demo``) need not import ``cli`` back."""
+    from .settings import get_settings
+
+    return asked or get_settings().progress
