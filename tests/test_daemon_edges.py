@@ -210,7 +210,8 @@ def test_a_rank_that_cannot_map_its_segments_is_failed_not_delivered(sample, tmp
     metrics = _scrape(d)
     assert metrics[("streamer_sessions_total", (("outcome", "failed"),))] == 1
     assert ("streamer_sessions_total", (("outcome", "done"),)) not in metrics
-    assert metrics.get(("streamer_rank_bytes_delivered_total", (("rank", "0"),)), 0) == 0
+    assert metrics.get(("streamer_rank_delivered_bytes_total", (("rank", "0"),)), 0) == 0
+    assert metrics[("streamer_session_failures_total", (("type", "SessionError"),))] == 1
     assert list(d.shm_dir.iterdir()) == []
 
 
