@@ -68,7 +68,7 @@ from .plan import DEFAULT_ALIGN, Batch, BatchKind, Placement, Plan, build_plan
 from .plan import select as select_tensors
 from .pipeline import Load, LoadStats, Pipeline
 from .ring import Ring
-from .runai import BUFFERED_FS_STRATEGY, NativeReader, S3Credentials, storage_environment
+from .runai import BUFFERED_FS_STRATEGY, NativeReader, storage_environment
 from .settings import Settings
 from .uri import StorageURI
 from .versions import ObjectVersions
@@ -91,7 +91,6 @@ class EngineConfig:
     slot_size: int
     align: int = DEFAULT_ALIGN
     fs_strategy: str | None = BUFFERED_FS_STRATEGY
-    s3_credentials: S3Credentials | None = None
     storage_environment: tuple[tuple[str, str], ...] = ()  # Run:ai's retry/timeout variables
 
     def __post_init__(self) -> None:
@@ -141,7 +140,7 @@ class EmbeddedEngine:
 
     Each :meth:`stream` has its own ring and reader and may use the whole budget: run one at a
     time to stay within it. ``reader_factory`` builds the Run:ai reader (keyword arguments
-    ``s3_credentials``, ``fs_strategy`` and ``environment``); tests may replace it. ``versions``
+    ``fs_strategy`` and ``environment``); tests may replace it. ``versions``
     checks each loaded batch's objects against the catalog's versions before delivery.
     """
 
@@ -217,7 +216,6 @@ class EmbeddedEngine:
         # The filesystem strategy means nothing to object storage; leave Run:ai's state untouched there.
         fs_strategy = self.config.fs_strategy if self.uri.is_local else None
         return self._reader_factory(
-            s3_credentials=self.config.s3_credentials,
             fs_strategy=fs_strategy,
             environment=dict(self.config.storage_environment),
         )

@@ -27,10 +27,9 @@ from streamer_service.runai import FileReads, NativeReader, ReadRange, ResponseC
 
 PINNED = "0.17.0"
 
-# Written out here, not imported from runai.py: a change on either side must fail this file.
+# Written out here, not imported from streamer_service/runai: a change on either side must fail this file.
 EXPECTED_PARAMETERS = {
     "runai_start": (),
-    "runai_set_credentials": ("streamer", "s3_credentials"),
     "runai_request": ("streamer", "paths", "num_ranges", "range_offsets", "range_sizes", "range_dsts"),
     "runai_response": ("streamer", "timeout_ms"),
     "runai_response_str": ("response_code",),
@@ -84,7 +83,7 @@ def _buffer(nbytes: int) -> np.ndarray:
 def test_every_distribution_is_the_pinned_version(distribution):
     assert runai.PINNED_VERSION == PINNED
     assert runai.installed_versions()[distribution] == PINNED, (
-        f"{distribution} is not {PINNED}: the native entry points in streamer_service/runai.py were "
+        f"{distribution} is not {PINNED}: the native entry points in streamer_service/runai/ were "
         "written against it; re-check them and this file before moving the pin"
     )
 

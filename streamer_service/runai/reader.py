@@ -1,21 +1,13 @@
-"""The one module that touches Run:ai Model Streamer's native reader.
+"""Run:ai's native reader: ranged reads straight into our buffers.
 
 Run:ai's public Python surface (``SafetensorsStreamer``, ``FileStreamer``)
 reads into buffers it owns, so every byte would be copied once more into ours.
 Its native layer takes, per byte range, an absolute destination address, which
 is what lets storage write straight into our buffers (DESIGN.md 3.1). Those
-entry points (``runai_model_streamer.libstreamer.libstreamer``) are not public
-API, so:
-
-- they are used here and nowhere else;
-- the distributions are pinned to exactly :data:`PINNED_VERSION` (pyproject),
-  and ``tests/test_runai_contract.py`` fails loudly when that changes;
-- :meth:`NativeReader.start` checks the entry points and their parameter names
-  before the first call, and raises :class:`ConfigError` naming what changed
-  instead of handing a changed ABI wrong arguments.
-
-Nothing is loaded at import: importing Run:ai's ``libstreamer`` package opens
-the shared library, so that import happens in :meth:`NativeReader.start`.
+entry points are not public API: ``contract`` pins and checks them, and this
+module is the only one that calls them. Nothing is loaded at import: importing
+Run:ai's ``libstreamer`` package opens the shared library, so that import
+happens in :meth:`NativeReader.start`.
 
 Buffer lifetime (DESIGN.md 6, and ``runai_request``'s docstring): a
 destination is a raw address and keeps nothing alive, and an object-storage
@@ -35,14 +27,8 @@ from __future__ import annotations
 
 import ctypes
 import enum
-import functools
-import importlib
-import importlib.metadata
-import inspect
 import logging
-import math
 import os
-import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -55,24 +41,16 @@ from streamer_client.errors import (
     StorageUnavailableError,
 )
 
-from .settings import Settings
-from .uri import Scheme, StorageURI
+from .contract import FS_STRATEGY_SYMBOL, load_native
+from .environment import ENVIRONMENT, FS_STRATEGY_ENV
 
 __all__ = [
     "BUFFERED_FS_STRATEGY",
-    "DISTRIBUTIONS",
-    "ENTRY_POINTS",
-    "FS_STRATEGY_ENV",
-    "PINNED_VERSION",
     "FileReads",
     "NativeReader",
     "RangeResult",
     "ReadRange",
     "ResponseCode",
-    "S3Credentials",
-    "installed_versions",
-    "storage_environment",
-    "read_parallelism_in_force",
 ]
 
 log = logging.getLogger(__name__)
@@ -88,136 +66,6 @@ log = logging.getLogger(__name__)
 # output silently is not a price for speed. tests/test_engine.py::test_process_output_survives_a_load
 # guards it. RUNAI_STREAMER_FS_STRATEGY, when set, still wins.
 BUFFERED_FS_STRATEGY = "sync_buffered"
-
-PINNED_VERSION = "0.17.0"
-"""The one Run:ai version whose native entry points this module was written against."""
-
-DISTRIBUTIONS = (
-    "runai-model-streamer",
-    "runai-model-streamer-s3",
-    "runai-model-streamer-gcs",
-    "runai-model-streamer-azure",
-)
-"""Every part must be :data:`PINNED_VERSION`: mixed versions put .so files of different builds side by side."""
-
-NATIVE_MODULE = "runai_model_streamer.libstreamer.libstreamer"
-
-ENTRY_POINTS: dict[str, tuple[str, ...]] = {
-    "runai_start": (),
-    "runai_set_credentials": ("streamer", "s3_credentials"),
-    "runai_request": ("streamer", "paths", "num_ranges", "range_offsets", "range_sizes", "range_dsts"),
-    "runai_response": ("streamer", "timeout_ms"),
-    "runai_response_str": ("response_code",),
-    "runai_end": ("streamer",),
-}
-"""The Python wrappers we call in :data:`NATIVE_MODULE`, with their parameter names at 0.17.0."""
-
-FS_STRATEGY_SYMBOL = "runai_file_streamer_set_fs_strategy"
-"""C entry point (exported, versioned RUNAI_FILE_STREAMER_1.0) that 0.17.0 has no Python wrapper for.
-
-``int runai_file_streamer_set_fs_strategy(void *streamer, const char *candidates)``: an ordered,
-comma-separated preference list (io_uring_direct, io_uring_buffered, libaio_direct, sync_buffered),
-set once per streamer, before its first filesystem submission. We call it instead of writing
-``RUNAI_STREAMER_FS_STRATEGY`` into ``os.environ``: it is scoped to our streamer, so nothing
-process-wide changes and nothing needs restoring."""
-
-FS_STRATEGY_ENV = "RUNAI_STREAMER_FS_STRATEGY"
-"""Run:ai's own variable for the same choice. When the operator sets it, it wins (see ``_apply_fs_strategy``)."""
-
-
-def storage_environment(settings: Settings) -> dict[str, str]:
-    """Our storage retry and timeout settings as the variables Run:ai's S3 reader reads.
-
-    Run:ai owns the tensor reads, and its native S3 client reads these only from the process
-    environment (docs/configuration.md, "Retries and timeouts"):
-
-    - ``RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS`` <- ``storage_read_timeout_s``: a transfer that moves
-      (almost) nothing for this long is aborted and retried. Run:ai's own default, 1000 ms, fails
-      large reads from slow servers.
-    - ``RUNAI_STREAMER_S3_MAX_RETRIES`` <- ``storage_retries``: retries of one ranged GET inside
-      the AWS CRT (0 cannot be expressed: the CRT reads 0 as "its default", so it is left unset).
-    - ``RUNAI_STREAMER_S3_TIMEOUT`` <- ``storage_retry_deadline_s``: Run:ai's own retries of a failed
-      chunk (5xx, 408, 429, transport errors) stop once this many seconds passed since its first try.
-    """
-    env = {
-        "RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS": str(max(1, round(settings.storage_read_timeout_s * 1000))),
-        "RUNAI_STREAMER_S3_TIMEOUT": str(max(1, math.ceil(settings.storage_retry_deadline_s))),
-    }
-    if settings.storage_retries > 0:
-        env["RUNAI_STREAMER_S3_MAX_RETRIES"] = str(settings.storage_retries)
-    # Read parallelism (docs/configuration.md, "Read parallelism"): only what the operator set.
-    for name, value in _read_parallelism(settings).items():
-        if value is not None:
-            env[name] = str(value)
-    return env
-
-
-READ_PARALLELISM_DEFAULTS = {
-    "RUNAI_STREAMER_OBJ_CONCURRENCY": "8",
-    "RUNAI_STREAMER_S3_TARGET_GBPS": "10",
-    "RUNAI_STREAMER_CHUNK_BYTESIZE": "8388608",
-}
-"""Run:ai 0.17.0's defaults for the read-parallelism variables (object storage), for the report."""
-
-
-def _read_parallelism(settings: Settings) -> dict[str, int | None]:
-    return {
-        "RUNAI_STREAMER_OBJ_CONCURRENCY": settings.obj_concurrency,
-        "RUNAI_STREAMER_S3_TARGET_GBPS": settings.s3_target_gbps,
-        "RUNAI_STREAMER_CHUNK_BYTESIZE": int(settings.read_chunk_size) if settings.read_chunk_size is not None else None,
-    }
-
-
-def read_parallelism_in_force(settings: Settings, environ: Mapping[str, str] = os.environ) -> dict[str, dict[str, str]]:
-    """What Run:ai's reader will use for each read-parallelism variable, and where it comes from:
-    ``environment`` (the operator set Run:ai's variable: it wins), ``settings`` (ours), or
-    ``run:ai default``. Logged at start-up and reported by ``/readyz``. A ``RUNAI_STREAMER_CONCURRENCY``
-    the operator set is Run:ai's fallback for the object-storage concurrency, so it is reported too."""
-    ours = _read_parallelism(settings)
-    report = {}
-    for name, default in READ_PARALLELISM_DEFAULTS.items():
-        if name in environ:
-            report[name] = {"value": environ[name], "source": "environment"}
-        elif ours[name] is not None:
-            report[name] = {"value": str(ours[name]), "source": "settings"}
-        elif name == "RUNAI_STREAMER_OBJ_CONCURRENCY" and "RUNAI_STREAMER_CONCURRENCY" in environ:
-            report[name] = {"value": environ["RUNAI_STREAMER_CONCURRENCY"], "source": "environment (RUNAI_STREAMER_CONCURRENCY)"}
-        else:
-            report[name] = {"value": default, "source": "run:ai default"}
-    return report
-
-
-class _ProcessEnvironment:
-    """Run:ai's variables in ``os.environ`` while at least one reader is open, then restored.
-
-    The native S3 client reads its settings from the environment when it is created, so this is
-    the one boundary where we write ``os.environ`` (STYLE.md). A variable the operator set wins and
-    is left alone. Readers of one process (the daemon's sessions) share one refcount.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._users = 0
-        self._added: list[str] = []
-
-    def enter(self, variables: Mapping[str, str]) -> None:
-        with self._lock:
-            self._users += 1
-            for name, value in variables.items():
-                if name not in os.environ:
-                    os.environ[name] = value
-                    self._added.append(name)
-
-    def leave(self) -> None:
-        with self._lock:
-            self._users -= 1
-            if self._users == 0:
-                for name in self._added:
-                    os.environ.pop(name, None)
-                self._added.clear()
-
-
-_ENVIRONMENT = _ProcessEnvironment()
 
 # runai_response blocks in native code, where Ctrl-C cannot reach it. Polling with a timeout returns
 # to Python between waits so signals are handled; a poll that times out costs nothing.
@@ -265,18 +113,6 @@ _STORAGE_ERRORS: dict[int, type[StorageError]] = {
 
 
 @dataclass(frozen=True)
-class S3Credentials:
-    """Explicit S3 credentials for one reader; without them Run:ai's C++ AWS SDK resolves its
-    default chain (environment, profile, SSO, IMDS) and reads ``AWS_ENDPOINT_URL`` itself."""
-
-    access_key_id: str | None = None
-    secret_access_key: str | None = None
-    session_token: str | None = None
-    region: str | None = None
-    endpoint: str | None = None
-
-
-@dataclass(frozen=True)
 class ReadRange:
     """``nbytes`` from ``offset`` of a file, written to absolute address ``dst``."""
 
@@ -318,61 +154,6 @@ class _Submission:
     remaining: int
 
 
-def installed_versions() -> dict[str, str | None]:
-    """The installed version of each of :data:`DISTRIBUTIONS` (``None`` when missing)."""
-    versions: dict[str, str | None] = {}
-    for name in DISTRIBUTIONS:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = None
-    return versions
-
-
-def _load_native() -> ModuleType:
-    """Import Run:ai's native wrapper (this opens libstreamer.so) and check its contract."""
-    try:
-        module = importlib.import_module(NATIVE_MODULE)
-    except (ImportError, OSError) as exc:
-        raise ConfigError(
-            f"cannot load Run:ai's native reader ({NATIVE_MODULE}): {exc}; "
-            f"install runai-model-streamer=={PINNED_VERSION} (all of {', '.join(DISTRIBUTIONS)})"
-        ) from exc
-    problems = _contract_problems(module)
-    if problems:
-        raise ConfigError(
-            f"Run:ai's native entry points changed ({'; '.join(problems)}); streamer-service needs "
-            f"runai-model-streamer=={PINNED_VERSION}, installed: {installed_versions()}"
-        )
-    _warn_if_version_differs()
-    return module
-
-
-def _contract_problems(module: ModuleType) -> list[str]:
-    problems = []
-    for name, params in ENTRY_POINTS.items():
-        function = getattr(module, name, None)
-        if not callable(function):
-            problems.append(f"{name} is missing")
-            continue
-        found = tuple(inspect.signature(function).parameters)
-        if found != params:
-            problems.append(f"{name}{found} is not {name}{params}")
-    library = getattr(getattr(module, "dll", None), "lib", None)
-    if library is None or not hasattr(library, FS_STRATEGY_SYMBOL):
-        problems.append(f"C symbol {FS_STRATEGY_SYMBOL} is missing")
-    return problems
-
-
-@functools.lru_cache(maxsize=1)
-def _warn_if_version_differs() -> None:
-    # The entry points matched, so this may work; the contract test is what refuses to pass.
-    # Once per process: every stream starts a reader.
-    wrong = {name: v for name, v in installed_versions().items() if v != PINNED_VERSION}
-    if wrong:
-        log.warning("Run:ai distributions not at the pinned %s: %s", PINNED_VERSION, wrong)
-
-
 class NativeReader:
     """One Run:ai streamer: submit ranged reads into our buffers, then drain their answers.
 
@@ -387,11 +168,9 @@ class NativeReader:
     def __init__(
         self,
         *,
-        s3_credentials: S3Credentials | None = None,
         fs_strategy: str | None = None,
         environment: Mapping[str, str] | None = None,
     ) -> None:
-        self._credentials = s3_credentials
         self._fs_strategy = fs_strategy
         self._environment = dict(environment or {})  # see storage_environment()
         self._native: ModuleType | None = None
@@ -413,21 +192,19 @@ class NativeReader:
     def start(self) -> None:
         if self._streamer is not None:
             raise RuntimeError("NativeReader already started")
-        native = _load_native()
-        _ENVIRONMENT.enter(self._environment)
+        native = load_native()
+        ENVIRONMENT.enter(self._environment)
         try:
             streamer = _call_native(native.runai_start)
         except BaseException:
-            _ENVIRONMENT.leave()
+            ENVIRONMENT.leave()
             raise
         try:
-            if self._credentials is not None:
-                _call_native(native.runai_set_credentials, streamer, _to_runai_credentials(self._credentials))
             if self._fs_strategy is not None:
                 _apply_fs_strategy(native, streamer, self._fs_strategy)
         except BaseException:
             native.runai_end(streamer)
-            _ENVIRONMENT.leave()
+            ENVIRONMENT.leave()
             raise
         self._native, self._streamer = native, streamer
 
@@ -442,7 +219,7 @@ class NativeReader:
             # Only now, after runai_end has returned, may the destination memory go.
             self._live.clear()
             self._retained.clear()
-            _ENVIRONMENT.leave()
+            ENVIRONMENT.leave()
 
     # ------------------------------------------------------------------ requests
 
@@ -560,18 +337,6 @@ def _call_native(function: Any, *args: Any) -> Any:
         raise StorageError(f"Run:ai {function.__name__} failed: {exc}") from exc
 
 
-def _to_runai_credentials(credentials: S3Credentials) -> Any:
-    from runai_model_streamer.s3_utils.s3_utils import S3Credentials as RunaiS3Credentials
-
-    return RunaiS3Credentials(
-        access_key_id=credentials.access_key_id,
-        secret_access_key=credentials.secret_access_key,
-        session_token=credentials.session_token,
-        region_name=credentials.region,
-        endpoint=credentials.endpoint,
-    )
-
-
 def _apply_fs_strategy(native: ModuleType, streamer: Any, candidates: str) -> None:
     # Run:ai reads its own variable when the strategy is not set explicitly. An operator who set it
     # chose on purpose (e.g. direct I/O for a cold NVMe checkpoint larger than RAM): respect that.
@@ -588,17 +353,3 @@ def _apply_fs_strategy(native: ModuleType, streamer: Any, candidates: str) -> No
         raise ConfigError(f"Run:ai refused filesystem strategy {candidates!r}: {text}")
 
 
-def check_credentials(uri: StorageURI, settings: Settings) -> None:
-    """Refuse, before any read, a configuration Run:ai's reader cannot use.
-
-    Run:ai's Azure reader reads ``AZURE_STORAGE_ACCOUNT_NAME`` (with a key, a SAS token or
-    workload identity) and ignores ``AZURE_STORAGE_CONNECTION_STRING``: with only a connection
-    string every range would fail with "invalid parameters" after the listing succeeded.
-    """
-    if uri.scheme is Scheme.AZURE and not settings.azure_storage_account_name:
-        raise ConfigError(
-            f"streaming {uri} needs AZURE_STORAGE_ACCOUNT_NAME (with AZURE_STORAGE_ACCOUNT_KEY, "
-            "AZURE_STORAGE_SAS_TOKEN or workload identity): Run:ai's Azure reader ignores "
-            "AZURE_STORAGE_CONNECTION_STRING",
-            uri=uri.normalized,
-        )

@@ -1,0 +1,117 @@
+"""The Run:ai version and native entry points this package was written against, and the checks
+that refuse anything else (DESIGN.md 3.1).
+
+The native entry points (``runai_model_streamer.libstreamer.libstreamer``) are not public API, so
+the distributions are pinned to exactly :data:`PINNED_VERSION` (pyproject),
+``tests/test_runai_contract.py`` fails loudly when that changes, and :func:`load_native` checks the
+entry points and their parameter names before the first call, raising :class:`ConfigError` naming
+what changed instead of handing a changed ABI wrong arguments.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+import inspect
+import logging
+from types import ModuleType
+
+from streamer_client.errors import ConfigError
+
+__all__ = [
+    "DISTRIBUTIONS",
+    "ENTRY_POINTS",
+    "FS_STRATEGY_SYMBOL",
+    "NATIVE_MODULE",
+    "PINNED_VERSION",
+    "installed_versions",
+    "load_native",
+]
+
+log = logging.getLogger(__name__)
+
+PINNED_VERSION = "0.17.0"
+"""The one Run:ai version whose native entry points this module was written against."""
+
+DISTRIBUTIONS = (
+    "runai-model-streamer",
+    "runai-model-streamer-s3",
+    "runai-model-streamer-gcs",
+    "runai-model-streamer-azure",
+)
+"""Every part must be :data:`PINNED_VERSION`: mixed versions put .so files of different builds side by side."""
+
+NATIVE_MODULE = "runai_model_streamer.libstreamer.libstreamer"
+
+ENTRY_POINTS: dict[str, tuple[str, ...]] = {
+    "runai_start": (),
+    "runai_request": ("streamer", "paths", "num_ranges", "range_offsets", "range_sizes", "range_dsts"),
+    "runai_response": ("streamer", "timeout_ms"),
+    "runai_response_str": ("response_code",),
+    "runai_end": ("streamer",),
+}
+"""The Python wrappers we call in :data:`NATIVE_MODULE`, with their parameter names at 0.17.0."""
+
+FS_STRATEGY_SYMBOL = "runai_file_streamer_set_fs_strategy"
+"""C entry point (exported, versioned RUNAI_FILE_STREAMER_1.0) that 0.17.0 has no Python wrapper for.
+
+``int runai_file_streamer_set_fs_strategy(void *streamer, const char *candidates)``: an ordered,
+comma-separated preference list (io_uring_direct, io_uring_buffered, libaio_direct, sync_buffered),
+set once per streamer, before its first filesystem submission. We call it instead of writing
+``RUNAI_STREAMER_FS_STRATEGY`` into ``os.environ``: it is scoped to our streamer, so nothing
+process-wide changes and nothing needs restoring."""
+
+def installed_versions() -> dict[str, str | None]:
+    """The installed version of each of :data:`DISTRIBUTIONS` (``None`` when missing)."""
+    versions: dict[str, str | None] = {}
+    for name in DISTRIBUTIONS:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def load_native() -> ModuleType:
+    """Import Run:ai's native wrapper (this opens libstreamer.so) and check its contract."""
+    try:
+        module = importlib.import_module(NATIVE_MODULE)
+    except (ImportError, OSError) as exc:
+        raise ConfigError(
+            f"cannot load Run:ai's native reader ({NATIVE_MODULE}): {exc}; "
+            f"install runai-model-streamer=={PINNED_VERSION} (all of {', '.join(DISTRIBUTIONS)})"
+        ) from exc
+    problems = _contract_problems(module)
+    if problems:
+        raise ConfigError(
+            f"Run:ai's native entry points changed ({'; '.join(problems)}); streamer-service needs "
+            f"runai-model-streamer=={PINNED_VERSION}, installed: {installed_versions()}"
+        )
+    _warn_if_version_differs()
+    return module
+
+
+def _contract_problems(module: ModuleType) -> list[str]:
+    problems = []
+    for name, params in ENTRY_POINTS.items():
+        function = getattr(module, name, None)
+        if not callable(function):
+            problems.append(f"{name} is missing")
+            continue
+        found = tuple(inspect.signature(function).parameters)
+        if found != params:
+            problems.append(f"{name}{found} is not {name}{params}")
+    library = getattr(getattr(module, "dll", None), "lib", None)
+    if library is None or not hasattr(library, FS_STRATEGY_SYMBOL):
+        problems.append(f"C symbol {FS_STRATEGY_SYMBOL} is missing")
+    return problems
+
+
+@functools.lru_cache(maxsize=1)
+def _warn_if_version_differs() -> None:
+    # The entry points matched, so this may work; the contract test is what refuses to pass.
+    # Once per process: every stream starts a reader.
+    wrong = {name: v for name, v in installed_versions().items() if v != PINNED_VERSION}
+    if wrong:
+        log.warning("Run:ai distributions not at the pinned %s: %s", PINNED_VERSION, wrong)
