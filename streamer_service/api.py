@@ -202,7 +202,7 @@ def create_app(settings: Settings) -> FastAPI:
 
     @app.get("/v1/stats")
     def stats(request: Request) -> dict:
-        return daemon(request).stats()
+        return daemon(request).stats().to_json()
 
     @app.post("/v1/metadata")
     def metadata(body: MetadataRequest, request: Request) -> dict:

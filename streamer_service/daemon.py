@@ -26,6 +26,7 @@ from .ledger import UNFINISHED, RankStatus
 from .session import Session, SessionState
 from .settings import Settings
 from .shm import SegmentPool, SegmentStore, ShmBudget
+from .stats import DaemonStats, SessionSummary
 from .uri import StorageURI, parse_uri
 from .versions import ObjectVersions
 
@@ -88,7 +89,7 @@ class Daemon:
         self._refusals: dict[str, _Refusal] = {}  # by session key
         self._rejoins = 0
         self.resident = ResidentStore(int(settings.retention_budget))
-        self.finished: list[dict] = []  # summaries of ended sessions, newest last (bounded)
+        self.finished: list[SessionSummary] = []  # ended sessions, newest last (bounded)
         self.bytes_read = 0
         self._lock = threading.Lock()
         self._opening: dict[str, threading.Lock] = {}
@@ -336,18 +337,18 @@ class Daemon:
             done = frozenset(r.rank for r in session.ranks.values() if r.received_everything)
             _remember(self._ended_sessions, session.id, EndedSession(session.id, session.key, session.error, done))
 
-    def stats(self) -> dict:
+    def stats(self) -> DaemonStats:
         with self._lock:
-            active = [s.summary() for s in self.sessions.values()]
-            finished = list(self.finished)
-        return {
-            "shm_budget": self.budget.limit,
-            "shm_in_use": self.budget.in_use,
-            "shm_peak": self.budget.peak,
-            "segments_idle": self.pool.idle,
-            "segments_reused": self.pool.reused,
-            "bytes_read": self.bytes_read + sum(s["bytes_read"] for s in active),
-            **self.resident.stats(),
-            "sessions": active,
-            "finished": finished,
-        }
+            active = tuple(s.summary() for s in self.sessions.values())
+            finished = tuple(self.finished)
+        return DaemonStats(
+            shm_budget=self.budget.limit,
+            shm_in_use=self.budget.in_use,
+            shm_peak=self.budget.peak,
+            segments_idle=self.pool.idle,
+            segments_reused=self.pool.reused,
+            bytes_read=self.bytes_read + sum(s.bytes_read for s in active),
+            resident=self.resident.stats(),
+            sessions=active,
+            finished=finished,
+        )

@@ -20,6 +20,7 @@ from typing import Any
 from streamer_client.protocol import Handle
 
 from .process import ProcessWatch
+from .stats import RankSummary
 
 __all__ = ["RankLedger", "RankState", "RankStatus"]
 
@@ -69,13 +70,8 @@ class RankState:
             self.process.close()
             self.process = None
 
-    def summary(self) -> dict:
-        return {
-            "status": self.status.value,
-            "bytes_selected": self.nbytes,
-            "bytes_delivered": self.delivered_bytes,
-            **({"error": self.error} if self.error else {}),
-        }
+    def summary(self) -> RankSummary:
+        return RankSummary(self.status.value, self.nbytes, self.delivered_bytes, self.error)
 
 
 class RankLedger:
@@ -191,7 +187,7 @@ class RankLedger:
         for r in self.ranks.values():
             r.stop_watching()
 
-    def summary(self) -> dict[int, dict]:
+    def summary(self) -> dict[int, RankSummary]:
         return {r.rank: r.summary() for r in self.ranks.values()}
 
     def __repr__(self) -> str:

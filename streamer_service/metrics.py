@@ -36,6 +36,8 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
+from .stats import DaemonStats, SessionSummary
+
 __all__ = ["Metrics", "LoadTimes", "build_info", "CONTENT_TYPE", "LOAD_SECONDS_BUCKETS", "FIRST_TENSOR_SECONDS_BUCKETS"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -80,28 +82,34 @@ def build_info(revision: str) -> dict[str, str]:
 
 
 class _Gauges(Collector):
-    def __init__(self, read: Callable[[], dict]) -> None:
+    def __init__(self, read: Callable[[], DaemonStats]) -> None:
         self._read = read
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         stats = self._read()
-        for name, doc, key in (
-            ("streamer_shm_in_use_bytes", "Shared-memory segment bytes held by sessions and the idle pool", "shm_in_use"),
-            ("streamer_shm_budget_bytes", "The shared-memory budget (STREAMER_SHM_BUDGET)", "shm_budget"),
-            ("streamer_shm_peak_bytes", "Most segment bytes held at once since start", "shm_peak"),
-            ("streamer_shm_idle_segments", "Idle segments kept for the next load", "segments_idle"),
-            ("streamer_resident_bytes", "Checkpoint bytes kept in shared memory for reloads", "resident_bytes"),
-            ("streamer_retention_budget_bytes", "The retention budget (STREAMER_RETENTION_BUDGET; 0: nothing kept)", "retention_budget"),
+        for name, doc, value in (
+            ("streamer_shm_in_use_bytes", "Shared-memory segment bytes held by sessions and the idle pool", stats.shm_in_use),
+            ("streamer_shm_budget_bytes", "The shared-memory budget (STREAMER_SHM_BUDGET)", stats.shm_budget),
+            ("streamer_shm_peak_bytes", "Most segment bytes held at once since start", stats.shm_peak),
+            ("streamer_shm_idle_segments", "Idle segments kept for the next load", stats.segments_idle),
+            ("streamer_resident_bytes", "Checkpoint bytes kept in shared memory for reloads", stats.resident.resident_bytes),
+            (
+                "streamer_retention_budget_bytes",
+                "The retention budget (STREAMER_RETENTION_BUDGET; 0: nothing kept)",
+                stats.resident.retention_budget,
+            ),
         ):
-            yield GaugeMetricFamily(name, doc, value=stats[key])
+            yield GaugeMetricFamily(name, doc, value=value)
         yield CounterMetricFamily(
-            "streamer_resident_served_bytes", "Bytes handed to ranks from memory kept by earlier loads", value=stats["resident_bytes_served"]
+            "streamer_resident_served_bytes",
+            "Bytes handed to ranks from memory kept by earlier loads",
+            value=stats.resident.resident_bytes_served,
         )
-        yield GaugeMetricFamily("streamer_sessions_active", "Sessions joining or streaming", value=len(stats["sessions"]))
+        yield GaugeMetricFamily("streamer_sessions_active", "Sessions joining or streaming", value=len(stats.sessions))
 
 
 class Metrics:
-    def __init__(self, read_stats: Callable[[], dict], *, build: dict[str, str] | None = None) -> None:
+    def __init__(self, read_stats: Callable[[], DaemonStats], *, build: dict[str, str] | None = None) -> None:
         # No ``*_created`` series: in the 0.0.4 text format each is one more gauge per counter and
         # histogram, which dashboards never read (prometheus_client's switch is process-wide).
         disable_created_metrics()
@@ -155,22 +163,22 @@ class Metrics:
         r.register(_Gauges(read_stats))
 
     def session_ended(
-        self, summary: dict, scheme: str, read_seconds: float, *, unique_bytes: int, times: LoadTimes, error: str | None
+        self, summary: SessionSummary, scheme: str, read_seconds: float, *, unique_bytes: int, times: LoadTimes, error: str | None
     ) -> None:
-        self.storage_bytes.labels(scheme=scheme).inc(summary["bytes_read"])
+        self.storage_bytes.labels(scheme=scheme).inc(summary.bytes_read)
         self.unique_bytes.labels(scheme=scheme).inc(unique_bytes)
         self.read_seconds.labels(scheme=scheme).inc(read_seconds)
-        if summary["bytes_read"] and read_seconds > 0:
-            self.last_rate.labels(scheme=scheme).set(summary["bytes_read"] / read_seconds)
-        for rank, info in summary["ranks"].items():
-            if info["status"] != "failed":  # handed out, but the rank could not use it (issue 13.6)
-                self.delivered_bytes.labels(rank=str(rank)).inc(info["bytes_delivered"])
-        self.sessions.labels(outcome=summary["state"]).inc()
+        if summary.bytes_read and read_seconds > 0:
+            self.last_rate.labels(scheme=scheme).set(summary.bytes_read / read_seconds)
+        for rank, info in summary.ranks.items():
+            if info.status != "failed":  # handed out, but the rank could not use it (issue 13.6)
+                self.delivered_bytes.labels(rank=str(rank)).inc(info.bytes_delivered)
+        self.sessions.labels(outcome=summary.state).inc()
         if error is not None:
             self.session_failures.labels(type=error).inc()
         if times.started is not None and times.first_ready is not None:
             self.first_tensor_seconds.labels(scheme=scheme).observe(times.first_ready - times.started)
-        if summary["state"] == "done" and times.started is not None and times.ended is not None:
+        if summary.state == "done" and times.started is not None and times.ended is not None:
             self.load_seconds.labels(scheme=scheme).observe(times.ended - times.started)
 
     def render(self) -> bytes:

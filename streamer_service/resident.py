@@ -27,6 +27,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from .shm import Segment
+from .stats import ResidentStats
 
 __all__ = ["ResidentCopy", "ResidentStore", "ResidentTensor"]
 
@@ -146,18 +147,18 @@ class ResidentStore:
 
     # ------------------------------------------------------------------ reporting
 
-    def stats(self) -> dict:
+    def stats(self) -> ResidentStats:
         with self._lock:
-            return {
-                "retention_budget": self.limit,
-                "resident_bytes": sum(c.nbytes for c in self._copies.values()),
-                "resident_checkpoints": [
+            return ResidentStats(
+                retention_budget=self.limit,
+                resident_bytes=sum(c.nbytes for c in self._copies.values()),
+                resident_checkpoints=tuple(
                     {"uri": c.uri, "bytes": c.nbytes, "tensors": len(c.tensors), "pins": c.pins}
                     for c in reversed(self._copies.values())
-                ],
-                "resident_bytes_served": self.hits_bytes,
-                "resident_evictions": self.evictions,
-            }
+                ),
+                resident_bytes_served=self.hits_bytes,
+                resident_evictions=self.evictions,
+            )
 
     # ------------------------------------------------------------------ internals
 

@@ -48,6 +48,7 @@ from .resident import ResidentCopy, ResidentStore
 from .ring import Ring
 from .runai import BUFFERED_FS_STRATEGY, NativeReader
 from .shm import Reservation, Segment, SegmentPool
+from .stats import SessionSummary
 from .versions import ObjectVersions
 
 __all__ = ["Handle", "RankState", "RankStatus", "ReaderFactory", "Session", "SessionState"]
@@ -518,18 +519,17 @@ class Session:
             self._resident.settle(self._claimed - sum(s.segment.nbytes for s in slots if s.resident))
             self._resident.unpin(self._copy)
 
-    def summary(self) -> dict:
+    def summary(self) -> SessionSummary:
         with self._cond:
-            return {
-                "id": self.id,
-                "key": self.key,
-                "uri": self.checkpoint.uri.normalized,
-                "state": self.state.value,
-                "world_size": self.world_size,
-                "bytes_read": self.stats.bytes_read,
-                "bytes_from_memory": self.resident_bytes,
-                "rejoin_of": self.rejoin[0] if self.rejoin else None,
-                "ranks": self._ledger.summary(),
-                "error": str(self.error) if self.error else None,
-            }
-
+            return SessionSummary(
+                id=self.id,
+                key=self.key,
+                uri=self.checkpoint.uri.normalized,
+                state=self.state.value,
+                world_size=self.world_size,
+                bytes_read=self.stats.bytes_read,
+                bytes_from_memory=self.resident_bytes,
+                rejoin_of=self.rejoin[0] if self.rejoin else None,
+                ranks=self._ledger.summary(),
+                error=str(self.error) if self.error else None,
+            )

@@ -308,10 +308,10 @@ def test_store_accounting_pins_and_lru(tmp_path):
     b = resident.pin("b", "g1")
     assert not resident.claim(b, 4 * 4096)  # more than the whole budget
     assert resident.claim(b, 2 * 4096)  # evicts a, the least recently used and unpinned
-    assert resident.stats()["resident_evictions"] == 1 and not seg.path.exists()
+    assert resident.stats().resident_evictions == 1 and not seg.path.exists()
     resident.settle(2 * 4096)  # b's load failed before filling anything
     resident.unpin(b)
-    assert resident.used == 0 and resident.stats()["resident_checkpoints"] == []
+    assert resident.used == 0 and resident.stats().resident_checkpoints == ()
 
     c = resident.pin("c", "g1")
     assert resident.claim(c, 4096)

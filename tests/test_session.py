@@ -191,7 +191,7 @@ def test_a_load_no_rank_reads_stops_submitting(node):
         session.leave(rank)
     assert session.wait_ended(60)
     assert session.state is SessionState.FAILED and session.error is None
-    assert {r["status"] for r in session.summary()["ranks"].values()} == {"left"}
+    assert {r.status for r in session.summary().ranks.values()} == {"left"}
     # In flight when they left: at most the ring (4 slots) and one oversized tensor more.
     assert sum(node.submitted) - read_before <= 4 * SLOT + max(t.nbytes for t in node.checkpoint.catalog.tensors)
     assert sum(node.submitted) < total
@@ -223,9 +223,9 @@ def test_a_rank_that_failed_fails_the_session_naming_it(node):
     assert len(results[0]) == len(node.checkpoint.catalog.tensors)  # the other rank got everything
     assert session.wait_ended(60) and session.state is SessionState.FAILED
     summary = session.summary()
-    assert summary["ranks"][0]["status"] == "failed" and "segment not found" in summary["ranks"][0]["error"]
-    assert summary["ranks"][1]["status"] == "done"
-    assert "rank 0 failed: DaemonError" in summary["error"]
+    assert summary.ranks[0].status == "failed" and "segment not found" in summary.ranks[0].error
+    assert summary.ranks[1].status == "done"
+    assert "rank 0 failed: DaemonError" in summary.error
     assert list(node.shm.iterdir()) == []
 
 

@@ -1,0 +1,82 @@
+"""What the daemon reports about itself: sessions, ranks, shared memory, the resident copies.
+
+Small frozen dataclasses, read by attribute where the daemon uses them (``metrics``, the
+rejoin bookkeeping) and turned into the JSON of ``GET /v1/stats`` in one place, :meth:`to_json`
+(the field names there are the public contract: docs/daemon.md, the tests, the bench).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+__all__ = ["DaemonStats", "RankSummary", "ResidentStats", "SessionSummary"]
+
+
+@dataclass(frozen=True)
+class RankSummary:
+    status: str  # ledger.RankStatus value
+    bytes_selected: int
+    bytes_delivered: int  # handed to the rank (not counted in metrics for a failed rank)
+    error: str | None = None  # why the rank failed
+
+    def to_json(self) -> dict:
+        out = {"status": self.status, "bytes_selected": self.bytes_selected, "bytes_delivered": self.bytes_delivered}
+        if self.error:
+            out["error"] = self.error
+        return out
+
+
+@dataclass(frozen=True)
+class SessionSummary:
+    id: str
+    key: str
+    uri: str
+    state: str  # session.SessionState value
+    world_size: int
+    bytes_read: int  # from storage
+    bytes_from_memory: int  # handed out from the resident copy
+    rejoin_of: str | None
+    ranks: dict[int, RankSummary]
+    error: str | None
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["ranks"] = {rank: r.to_json() for rank, r in self.ranks.items()}
+        return out
+
+
+@dataclass(frozen=True)
+class ResidentStats:
+    retention_budget: int
+    resident_bytes: int
+    resident_checkpoints: tuple[dict, ...]  # uri, bytes, tensors, pins; most recent first
+    resident_bytes_served: int
+    resident_evictions: int
+
+
+@dataclass(frozen=True)
+class DaemonStats:
+    shm_budget: int
+    shm_in_use: int
+    shm_peak: int
+    segments_idle: int
+    segments_reused: int
+    bytes_read: int  # from storage, every session so far
+    resident: ResidentStats
+    sessions: tuple[SessionSummary, ...] = field(default_factory=tuple)  # joining or streaming
+    finished: tuple[SessionSummary, ...] = field(default_factory=tuple)  # ended, newest last
+
+    def to_json(self) -> dict:
+        resident = asdict(self.resident)
+        resident["resident_checkpoints"] = list(resident["resident_checkpoints"])
+        return {
+            "shm_budget": self.shm_budget,
+            "shm_in_use": self.shm_in_use,
+            "shm_peak": self.shm_peak,
+            "segments_idle": self.segments_idle,
+            "segments_reused": self.segments_reused,
+            "bytes_read": self.bytes_read,
+            **resident,
+            "sessions": [s.to_json() for s in self.sessions],
+            "finished": [s.to_json() for s in self.finished],
+        }
