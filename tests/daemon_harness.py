@@ -16,7 +16,8 @@ from pathlib import Path
 import httpx
 
 # RANK_STALL_AFTER=n: after n tensors the rank says "stalled" on stderr and hangs (a test kills it);
-# RANK_SLOW_S=s: it sleeps s seconds after each tensor (a slow consumer).
+# RANK_SLOW_S=s: it sleeps s seconds after each tensor (a slow consumer); RANK_AWAIT_GO=1: once
+# imported it says "ready" on stderr and waits for a line on stdin before it loads.
 RANK_SCRIPT = textwrap.dedent(
     """
     import json, os, sys, time, torch, streamer_client
@@ -24,6 +25,9 @@ RANK_SCRIPT = textwrap.dedent(
     uri, rank, world, truth_dir, select = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5])
     stall_after, slow_s = int(os.environ.get("RANK_STALL_AFTER", "-1")), float(os.environ.get("RANK_SLOW_S", "0"))
     index = json.load(open(truth_dir + "/model.safetensors.index.json"))["weight_map"]
+    if os.environ.get("RANK_AWAIT_GO"):
+        print("ready", flush=True, file=sys.stderr)
+        sys.stdin.readline()
     files = {}
     got, bad = [], []
     try:
@@ -126,7 +130,7 @@ class DaemonProcess:
     def start_rank(self, uri: str, rank: int, world: int, truth_dir: Path, select, wrap=(), **env: str) -> subprocess.Popen:
         return subprocess.Popen(
             [*wrap, *self._prefix(), sys.executable, "-c", RANK_SCRIPT, uri, str(rank), str(world), str(truth_dir), json.dumps(select)],
-            env=self.rank_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=self.rank_env(**env), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
 
 

@@ -308,15 +308,21 @@ def test_tcp_without_a_token_refuses_to_start(tmp_path):
 
 
 def test_segments_are_reused_across_sessions_then_trimmed(sample, daemon):
-    # Long enough idle for the second rank process to start on a loaded machine (torch import).
+    # The second rank process is started (torch imported) before the first load ends and waits
+    # for "go": on a loaded machine its start-up alone outlasted the idle time (issue 13.7's kind).
     d = daemon({"STREAMER_SEGMENT_IDLE_S": "10", "STREAMER_SLOT_SIZE": "4MiB"}, "--shm-budget", "16MiB")
     names = [t.name for t in _catalog(sample).tensors]
-    first = finish(d.start_rank(str(sample), 0, 1, sample, names))
+    waiting = d.start_rank(str(sample), 0, 1, sample, names, RANK_AWAIT_GO="1", STREAMER_LAUNCH_ID="second")
+    assert waiting.stderr.readline().strip() == "ready"
+    first = finish(d.start_rank(str(sample), 0, 1, sample, names, STREAMER_LAUNCH_ID="first"))
+    _last_finished(d)
     kept = sorted(p.name for p in d.shm_dir.iterdir())
     assert first["bad"] == [] and kept  # idle segments stay mapped for the next load
     stats = d.stats()
     assert stats["segments_idle"] == len(kept) and stats["shm_in_use"] == len(kept) * 4 * 2**20
-    second = finish(d.start_rank(str(sample), 0, 1, sample, names))
+    waiting.stdin.write("go\n")
+    waiting.stdin.flush()
+    second = finish(waiting)
     assert second["bad"] == []
     assert d.stats()["segments_reused"] >= len(kept)
     assert set(kept) <= {p.name for p in d.shm_dir.iterdir()}  # the same files served the second load
