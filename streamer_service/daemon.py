@@ -239,7 +239,8 @@ class Daemon:
             refusal.untold.discard(rank)
             if not refusal.untold:
                 del self._refusals[key]
-        raise refusal.error
+        error = refusal.error  # a copy per rank: ranks raise it in threads of their own
+        raise SessionError(error.message, uri=error.uri, key=error.key)
 
     def _join_session(self, key, rank, world_size, parsed, checkpoint, chosen, priority, peer_pid) -> Session:
         deadline = time.monotonic() + self.settings.rank_timeout_s + 4 * _REAP_INTERVAL_S

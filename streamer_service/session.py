@@ -503,6 +503,7 @@ class Session:
         self.times.mark("ended")
         self._cond.notify_all()
         if self._thread is None:  # never started streaming: nothing else will call on_end
+            self._ledger.clear()  # the joined ranks' process watches
             self._on_end(self)
 
     def _release_segments(self) -> None:
