@@ -157,7 +157,10 @@ def run(args: argparse.Namespace) -> int:
         requested = sum(catalog[n].nbytes for sel in selections for n in sel)
 
         cache_env = {"STREAMER_CACHE_DIR": str(settings.cache_dir)}
-        daemon = None if args.embedded else ChildDaemon(Path(tmp), args.shm_budget, env=cache_env)
+        # Ranks find segments where the daemon says, unless STREAMER_SHM_DIR says otherwise: where
+        # it is set, the demo's daemon uses that dir too.
+        shm_dir = settings.shm_dir if "shm_dir" in settings.model_fields_set else None
+        daemon = None if args.embedded else ChildDaemon(Path(tmp), args.shm_budget, env=cache_env, shm_dir=shm_dir)
         try:
             socket = str(daemon.socket) if daemon else None
             launch = _Launch(socket, f"demo-{os.getpid()}", str(settings.cache_dir))

@@ -135,14 +135,18 @@ def _render_metrics(app) -> bytes | None:
 class ChildDaemon:
     """`streamer-service serve` as a child process on a private socket and shm dir under ``root``.
 
-    For the demo and the benchmarks: rank processes get :meth:`env` to find it.
+    For the demo and the benchmarks: rank processes get :meth:`env` to find it. ``shm_dir``: the
+    segments' dir (one the caller owns, left in place); default a private one, removed at close.
     """
 
-    def __init__(self, root: Path, budget: str, *, env: dict[str, str] | None = None, start_timeout_s: float = 60) -> None:
+    def __init__(
+        self, root: Path, budget: str, *, env: dict[str, str] | None = None, shm_dir: Path | None = None, start_timeout_s: float = 60
+    ) -> None:
         from streamer_client.daemon import DaemonClient  # torch comes with it: not at module import
 
         shm_parent = "/dev/shm" if os.path.isdir("/dev/shm") else str(root)
-        self.shm_dir = Path(tempfile.mkdtemp(prefix="streamer-child-", dir=shm_parent))
+        self._own_shm_dir = shm_dir is None
+        self.shm_dir = Path(tempfile.mkdtemp(prefix="streamer-child-", dir=shm_parent)) if shm_dir is None else Path(shm_dir)
         self.socket = root / "daemon.sock"
         self.log = root / "daemon.log"
         cmd = [sys.executable, "-m", "streamer_service", "serve", "--socket", str(self.socket),
@@ -171,4 +175,5 @@ class ChildDaemon:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        shutil.rmtree(self.shm_dir, ignore_errors=True)
+        if self._own_shm_dir:
+            shutil.rmtree(self.shm_dir, ignore_errors=True)
