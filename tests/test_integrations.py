@@ -28,8 +28,8 @@ def ckpt(tmp_path) -> Path:
 def test_adapters_import_no_engine():
     code = (
         "import sys, streamer_client.integrations.vllm, streamer_client.integrations.tensorrt_llm, "
-        "streamer_client.integrations.huggingface\n"
-        "print(sorted(m for m in ('vllm', 'tensorrt_llm', 'transformers', 'tqdm', 'streamer_service') if m in sys.modules))"
+        "streamer_client.integrations.huggingface, streamer_client.integrations.sglang\n"
+        "print(sorted(m for m in ('vllm', 'tensorrt_llm', 'sglang', 'transformers', 'tqdm', 'streamer_service') if m in sys.modules))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr

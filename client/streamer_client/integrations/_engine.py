@@ -24,9 +24,12 @@ __all__ = [
     "LoaderOptions",
     "NodeRanks",
     "agree_on_node",
+    "config_value",
     "is_object_uri",
     "layer_index",
     "select_names",
+    "source_uri",
+    "torch_all_gather",
     "weight_names",
 ]
 
@@ -124,6 +127,44 @@ def select_names(names: Iterable[str], *, keep_layer: Callable[[int], bool] | No
             continue
         chosen.append(name)
     return chosen
+
+
+def source_uri(checkpoint_dir: str | os.PathLike) -> str:
+    """The checkpoint an engine's model path stands for.
+
+    An object-storage URI is itself; a metadata dir pulled by :func:`streamer_client.pull_metadata`
+    names its URI in ``.runai_complete`` (the cache's marker, docs/metadata-cache.md); any other
+    directory is a local checkpoint.
+    """
+    path = os.fspath(checkpoint_dir)
+    if is_object_uri(path):
+        return path
+    try:
+        uri = json.loads((Path(path) / ".runai_complete").read_text(encoding="utf-8"))["uri"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return path
+    return uri if isinstance(uri, str) and uri else path
+
+
+def config_value(metadata_dir: str | os.PathLike, key: str):
+    """One value of the pulled ``config.json`` (its ``text_config`` for multimodal configs)."""
+    config = json.loads((Path(metadata_dir) / "config.json").read_text(encoding="utf-8"))
+    return config.get(key, (config.get("text_config") or {}).get(key))
+
+
+def torch_all_gather():
+    """An all-gather over torch.distributed's default group, or None when it is not running."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None, 0
+
+    def all_gather(obj):
+        out = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+
+    return all_gather, dist.get_rank()
 
 
 def weight_names(metadata_dir: str | os.PathLike) -> list[str] | None:
