@@ -232,6 +232,8 @@ def test_missing_bucket(cloud_backend):
     with pytest.raises(ObjectNotFoundError) as info:
         pull_metadata(uri)
     assert "'no-such-bucket-here'" in str(info.value) and uri in str(info.value)
+    word = "container" if cloud_backend.name == "azure" else "bucket"  # issue 14: Azure's are containers
+    assert str(info.value).startswith(f"{word} 'no-such-bucket-here' does not exist")
 
 
 def test_empty_prefix(backend):
