@@ -8,6 +8,7 @@ docs/configuration.md for the full table.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from functools import lru_cache
@@ -190,8 +191,6 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             text = value.strip()
             if text.startswith("["):
-                import json
-
                 return json.loads(text)
             return [part for part in re.split(r"[,\s]+", text) if part]
         return value
