@@ -287,8 +287,9 @@ def test_tcp_without_a_token_refuses_to_start(tmp_path):
         [sys.executable, "-m", "streamer_service", "serve", "--socket", str(tmp_path / "s.sock"), "--shm-dir", str(tmp_path), "--tcp-port", "1"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-    assert result.returncode == 1
-    assert "--tcp-port needs a bearer token in STREAMER_TOKEN" in result.stderr
+    assert result.returncode == 2  # a start-up refusal, before anything is bound (issue 14)
+    assert result.stderr == "streamer-service serve: error: --tcp-port needs a bearer token in STREAMER_TOKEN\n"
+    assert not (tmp_path / "s.sock").exists()
 
 
 def test_segments_are_reused_across_sessions_then_trimmed(sample, daemon):
