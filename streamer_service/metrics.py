@@ -89,6 +89,7 @@ class _Gauges(Collector):
             ("streamer_shm_in_use_bytes", "Shared-memory segment bytes held by sessions and the idle pool", "shm_in_use"),
             ("streamer_shm_budget_bytes", "The shared-memory budget (STREAMER_SHM_BUDGET)", "shm_budget"),
             ("streamer_shm_peak_bytes", "Most segment bytes held at once since start", "shm_peak"),
+            ("streamer_shm_page_size_bytes", "Page size backing the shm dir's segments (2 MiB: huge pages)", "shm_page_size"),
             ("streamer_shm_idle_segments", "Idle segments kept for the next load", "segments_idle"),
             ("streamer_resident_bytes", "Checkpoint bytes kept in shared memory for reloads", "resident_bytes"),
             ("streamer_retention_budget_bytes", "The retention budget (STREAMER_RETENTION_BUDGET; 0: nothing kept)", "retention_budget"),

@@ -54,7 +54,8 @@ class DaemonProcess:
 
     ``tmpfs`` ({dir: size}) runs the daemon in a private mount namespace (``unshare -m``, root
     only) where each dir is a tmpfs of that size: a full disk or shm filesystem without touching
-    the machine. Ranks then join that namespace (``nsenter``); :meth:`view` reads its files.
+    the machine. A size may carry more tmpfs options (``"96m,huge=always"``: huge pages), and
+    ``"hugetlbfs:pagesize=2M"`` mounts hugetlbfs instead (its pool is the machine's, left as it is). Ranks then join that namespace (``nsenter``); :meth:`view` reads its files.
     """
 
     def __init__(
@@ -75,7 +76,7 @@ class DaemonProcess:
     def start(self) -> "DaemonProcess":
         cmd = [sys.executable, "-m", "streamer_service", "serve", "--socket", str(self.socket), *self.extra]
         if self.tmpfs:
-            mounts = " && ".join(f"mount -t tmpfs -o size={size} tmpfs {shlex.quote(str(d))}" for d, size in self.tmpfs.items())
+            mounts = " && ".join(_mount(d, spec) for d, spec in self.tmpfs.items())
             cmd = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", f'{mounts} && exec "$@"', "sh", *cmd]
         cmd = [*self.wrap, *cmd]
         self.proc = subprocess.Popen(cmd, env=self.env, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)
@@ -128,6 +129,13 @@ class DaemonProcess:
             [*wrap, *self._prefix(), sys.executable, "-c", RANK_SCRIPT, uri, str(rank), str(world), str(truth_dir), json.dumps(select)],
             env=self.rank_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
+
+
+def _mount(directory: Path, spec: str) -> str:
+    fstype, _, options = spec.rpartition(":")
+    if not fstype:
+        fstype, options = "tmpfs", f"size={options}"
+    return f"mount -t {fstype} -o {shlex.quote(options)} {fstype} {shlex.quote(str(directory))}"
 
 
 def finish(proc: subprocess.Popen, timeout: float = 300) -> dict:
