@@ -35,6 +35,7 @@ import mmap
 import multiprocessing as mp
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -88,12 +89,12 @@ def map_shm_file(path: Path) -> tuple[mmap.mmap, np.ndarray]:
     return memory, np.frombuffer(memory, dtype=np.uint8)
 
 
-def write_checkpoint(directory: Path, size_gb: float, device: str) -> int:
+def write_checkpoint(directory: Path, size_gb: float, device: str, embed_rows: int = EMBED_ROWS) -> int:
     """An embedding larger than a slot, then layers of 4 bf16 matrices + 2 f32 norms, in 4 shards."""
     from safetensors.torch import save_file
 
-    layers = max(1, round((size_gb * GB - EMBED_ROWS * HIDDEN * 2) / (4 * MATRIX)))
-    specs: list[tuple[str, tuple[int, ...], torch.dtype]] = [("model.embed_tokens.weight", (EMBED_ROWS, HIDDEN), torch.bfloat16)]
+    layers = max(1, round((size_gb * GB - embed_rows * HIDDEN * 2) / (4 * MATRIX)))
+    specs: list[tuple[str, tuple[int, ...], torch.dtype]] = [("model.embed_tokens.weight", (embed_rows, HIDDEN), torch.bfloat16)]
     for i in range(layers):
         for part in ("attn.qkv", "attn.o", "mlp.up", "mlp.down"):
             specs.append((f"model.layers.{i}.{part}.weight", (HIDDEN, HIDDEN), torch.bfloat16))
@@ -273,6 +274,220 @@ def two_ranks(kind: str, arg: str, reps: int, expected: int, cache_dir: Path, en
     return [got[r] for r in range(world)]
 
 
+# --------------------------------------------------------------------------- issue 16: every loader side by side
+
+ISSUE_EMBED_ROWS = 131072  # a 1 GiB bf16 embedding, as in issue 16's checkpoint
+RUNAI_ENV = {"RUNAI_STREAMER_FS_STRATEGY": "sync_buffered"}  # its page-cache reader (DESIGN.md 6)
+
+
+def _load(kind: str, directory: str, device: str, rank: int, world: int, session: str) -> dict[str, torch.Tensor]:
+    """One load by ``kind``, tensors kept on ``device`` (each loader's public API, as a user calls it)."""
+    files = sorted(str(p) for p in Path(directory).glob("*.safetensors"))
+    if kind == "runai":
+        from runai_model_streamer import SafetensorsStreamer
+
+        out = {}
+        with SafetensorsStreamer() as streamer:
+            streamer.stream_files(files)
+            for name, tensor in streamer.get_tensors():
+                out[name] = tensor.to(device)
+        return out
+    if kind == "instanttensor":
+        from instanttensor import safe_open
+
+        out = {}
+        with safe_open(files, framework="pt", device=torch.device(device).index) as f:
+            for name, tensor in f.tensors():
+                out[name] = tensor.clone()  # its tensors are views of a buffer it reuses
+        return out
+    # ours: embedded without STREAMER_SOCKET, daemon mode with it (the ranks of a rep share a session)
+    return streamer_client.load_state_dict(directory, device=device, rank=rank, world_size=world, session=session)
+
+
+def _issue_rank(rank: int, kind: str, directory: str, reps: int, world: int, env: dict, barrier, results) -> None:
+    try:
+        os.environ.update(env)
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ.get("ISSUE_HANG_S", "600")), exit=True)  # a hang shows where
+        device = "cuda:0"  # every rank on the one GPU, as the issue measures
+        torch.cuda.set_device(device)
+        torch.zeros(1, device=device)  # CUDA context before the go signal
+        spans = []
+        for rep in range(reps):
+            barrier.wait()
+            start = time.time()  # one clock for every process of the machine: wall = last end - first start
+            state = _load(kind, directory, device, rank, world, f"issue-{os.getppid()}-{rep}")
+            torch.cuda.synchronize(device)
+            end = time.time()
+            nbytes = sum(t.numel() * t.element_size() for t in state.values())
+            if rep == 0:
+                _spot_check(Path(directory), state)
+            del state
+            torch.cuda.empty_cache()
+            spans.append((start, end, nbytes))
+        results.put((rank, spans, None))
+    except BaseException as exc:  # report, don't hang the barrier's other parties
+        barrier.abort()
+        results.put((rank, [], repr(exc)))
+
+
+def issue_row(kind: str, directory: Path, reps: int, world: int = 1, env: dict | None = None) -> list[tuple[float, int]]:
+    """``reps`` loads by ``world`` rank processes started together: (wall seconds, bytes per rank) each."""
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(world), ctx.Queue()
+    procs = [ctx.Process(target=_issue_rank, args=(r, kind, str(directory), reps, world, env or {}, barrier, results))
+             for r in range(world)]  # fmt: skip
+    for p in procs:
+        p.start()
+    spans = {}
+    for _ in procs:
+        try:
+            rank, got, error = results.get(timeout=float(os.environ.get("ISSUE_HANG_S", "600")) + 60)
+        except Exception:
+            raise SystemExit(f"{kind}: no result from a rank (exit codes {[p.exitcode for p in procs]})") from None
+        if error:
+            raise SystemExit(f"{kind} rank {rank} failed: {error}")
+        spans[rank] = got
+    for p in procs:
+        p.join()
+    return [
+        (max(spans[r][i][1] for r in spans) - min(spans[r][i][0] for r in spans), spans[0][i][2])
+        for i in range(reps)
+    ]
+
+
+def issue_rows(disk_dir: Path, shm_root: Path, args, label: str) -> dict[str, list[tuple[float, int]]]:
+    """Every row that depends on the shm dir's pages (``label``); the page-cache rows on ``"4k"`` only."""
+    rows: dict[str, list[tuple[float, int]]] = {}
+    reps = args.e2e_reps + 1  # the first of each is a warm-up, dropped below (except cold rows)
+
+    only = os.environ.get("ISSUE_ROWS")  # e.g. "daemon": only the rows whose name starts so
+
+    def row(name: str, kind: str, directory: Path, world: int = 1, env: dict | None = None, n: int = reps) -> None:
+        if only and not name.startswith(only):
+            return
+        rows[name] = issue_row(kind, directory, n, world, env)
+        walls = [w for w, _ in rows[name][1:]] or [rows[name][0][0]]
+        print(f"  [{label}] {name}: median {statistics.median(walls):.3f} s", flush=True)
+
+    tmpfs_dir = shm_root / "ckpt"
+    if not tmpfs_dir.exists():
+        shutil.copytree(disk_dir, tmpfs_dir)
+    if label == "4k":
+        row("runai, page cache", "runai", disk_dir, env=RUNAI_ENV)
+        row("instanttensor, page cache", "instanttensor", disk_dir, n=2)
+        row("embedded, page cache", "embedded", disk_dir)
+        row("runai x4 independent, page cache", "runai", disk_dir, world=4, env=RUNAI_ENV)
+    row("runai, tmpfs dir", "runai", tmpfs_dir, env=RUNAI_ENV)
+    row("instanttensor, tmpfs dir", "instanttensor", tmpfs_dir)
+    row("embedded, tmpfs dir", "embedded", tmpfs_dir)
+    root = Path(tempfile.mkdtemp(prefix="issue-daemon-", dir=shm_root))
+    daemon = ChildDaemon(root, args.daemon_budget, env={"STREAMER_CACHE_DIR": str(root / "cache")})
+    try:
+        row("daemon 1 rank, page cache", "daemon", disk_dir, env=daemon.env())
+        row("daemon 4 ranks, page cache", "daemon", disk_dir, world=4, env=daemon.env())
+    except BaseException:
+        print(daemon.log.read_text()[-4000:], flush=True)
+        raise
+    finally:
+        daemon.close()
+    retention = {"STREAMER_CACHE_DIR": str(root / "cache2"), "STREAMER_RETENTION_BUDGET": args.retention or "16GiB"}
+    daemon = ChildDaemon(root, args.daemon_budget, env=retention)
+    try:
+        page = daemon.client.call("/readyz")["shm_page_size"]
+        print(f"  [{label}] daemon shm pages: {page} bytes", flush=True)
+        row("daemon retained: cold, then warm reloads", "daemon", disk_dir, env=daemon.env(), n=reps + 1)
+    finally:
+        daemon.close()
+    return rows
+
+
+def issue_table(columns: dict[str, dict[str, list[tuple[float, int]]]]) -> None:
+    """The issue's figures, one column per shm kind, with ratios against Run:ai and InstantTensor."""
+
+    def rate(rows: dict, name: str, which: str = "warm") -> float | None:
+        got = rows.get(name)
+        if not got:
+            return None
+        if which == "cold":
+            wall, nbytes = got[0]
+        else:
+            wall, nbytes = statistics.median(w for w, _ in got[1:]), got[0][1]
+        return nbytes / wall / GB
+
+    k4 = columns.get("4k", {})
+    lines = [("runai, page cache", "plain Run:ai sync_buffered -> .to(cuda), 1 rank"),
+             ("runai, tmpfs dir", "plain Run:ai, files on tmpfs"),
+             ("instanttensor, page cache", "InstantTensor 0.2.2, page cache (its direct I/O)"),
+             ("instanttensor, tmpfs dir", "InstantTensor 0.2.2, files on tmpfs"),
+             ("embedded, page cache", "embedded load_state_dict(dir, cuda:0), page cache"),
+             ("embedded, tmpfs dir", "embedded load_state_dict(dir, cuda:0), files on tmpfs"),
+             ("daemon 1 rank, page cache", "daemon, 1 rank, cold (page cache)")]  # fmt: skip
+    names = list(columns)
+    print()
+    print("GB/s per rank (GB = 1e9 bytes; medians; 'tmpfs' and shm dirs are /dev/shm (4k) or a huge=always tmpfs (thp))")
+    print(f"{'path':<58}" + "".join(f"{n:>9}" for n in names) + "   x runai  x IT(tmpfs)")
+    runai = rate(k4, "runai, page cache")
+    for key, label in lines + [("daemon retained: cold, then warm reloads", "daemon, warm reload from the resident copy")]:
+        values = [rate(columns[n], key) if key in columns[n] else rate(k4, key) for n in names]
+        best = max((v for v in values if v), default=None)
+        it = max((rate(columns[n], "instanttensor, tmpfs dir") or 0) for n in names) or None
+        ratios = f"   {best / runai:>7.2f}  {best / it:>10.2f}" if best and runai and it else ""
+        print(f"{label:<58}" + "".join(f"{v:>9.2f}" if v else f"{'':>9}" for v in values) + ratios)
+    cold = [rate(columns[n], "daemon retained: cold, then warm reloads", "cold") for n in names]
+    print(f"{'daemon retained, first (cold) load':<58}" + "".join(f"{v:>9.2f}" if v else f"{'':>9}" for v in cold))
+    ind = k4.get("runai x4 independent, page cache")
+    if ind:
+        runai4 = statistics.median(w for w, _ in ind[1:])
+        for n in names:
+            d4 = columns[n].get("daemon 4 ranks, page cache")
+            if d4:
+                wall = statistics.median(w for w, _ in d4[1:])
+                print(f"4 ranks on cuda:0, each all tensors: daemon wall / 4 independent Run:ai wall [{n}]: "
+                      f"{wall:.2f} s / {runai4:.2f} s = {wall / runai4:.2f}")  # fmt: skip
+
+
+def issue_main(args) -> None:
+    """``--issue``: the checkpoint of issue 16; /dev/shm rows, then (``--huge-pages``) the same rows in a
+    private mount namespace whose /dev/shm is a tmpfs mounted huge=always; one table."""
+    print(machine(), flush=True)
+    columns: dict[str, dict] = {}
+    if args.issue_child:  # inside the namespace: shm-dependent rows only, as JSON
+        rows = issue_rows(args.dir, Path("/dev/shm"), args, args.issue_child)
+        args.json.write_text(json.dumps(rows))
+        return
+    with tempfile.TemporaryDirectory(prefix="gpu-bench-issue-", dir=args.disk_dir) as tmp:
+        directory = args.dir or Path(tmp) / "ckpt"
+        directory.mkdir(parents=True, exist_ok=True)
+        total = write_checkpoint(directory, args.size_gb, "cuda:0", embed_rows=ISSUE_EMBED_ROWS)
+        warm_page_cache(directory)
+        print(f"checkpoint {total / GB:.2f} GB in {directory}", flush=True)
+        ceiling_rates = ceiling(total // MIB * MIB // 4, "cuda:0", args.reps)
+        print(f"  pinned H2D ceiling: {statistics.median(ceiling_rates):.2f} GB/s", flush=True)
+        shm_root = Path(tempfile.mkdtemp(prefix="gpu-bench-issue-", dir="/dev/shm"))
+        try:
+            columns["4k"] = issue_rows(directory, shm_root, args, "4k")
+        finally:
+            shutil.rmtree(shm_root, ignore_errors=True)
+        if args.huge_pages:
+            out = Path(tmp) / "thp.json"
+            size = f"{int(args.size_gb * 3 + 24)}G"
+            child = [sys.executable, __file__, "--issue", "--issue-child", "thp", "--dir", str(directory), "--json", str(out),
+                     "--size-gb", str(args.size_gb), "--e2e-reps", str(args.e2e_reps), "--daemon-budget", args.daemon_budget]  # fmt: skip
+            if args.retention:
+                child += ["--retention", args.retention]
+            mount = f"mount -t tmpfs -o huge=always,size={size} tmpfs /dev/shm"
+            subprocess.run(["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", f'{mount} && exec "$@"', "sh", *child],
+                           check=True)  # fmt: skip
+            columns["thp"] = {k: [tuple(x) for x in v] for k, v in json.loads(out.read_text()).items()}
+        print()
+        print(f"pinned H2D ceiling {statistics.median(ceiling_rates):.2f} GB/s; checkpoint {total / GB:.2f} GB")
+        issue_table(columns)
+        if args.json:
+            args.json.write_text(json.dumps({"machine": machine(), "checkpoint_bytes": total, "columns": columns}, indent=1))
+
+
 # --------------------------------------------------------------------------- main
 
 
@@ -303,9 +518,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, help="also write every measurement here")
     parser.add_argument("--daemon-budget", default="4GiB", help="shm budget of the daemon rows' daemon")
     parser.add_argument("--retention", help="also cold vs warm rows with a daemon keeping this much resident, e.g. 16GiB")
+    parser.add_argument("--issue", action="store_true", help="issue 16's rows: every loader side by side")
+    parser.add_argument("--huge-pages", action="store_true", help="with --issue: also on a huge=always tmpfs (root)")
+    parser.add_argument("--disk-dir", type=Path, help="with --issue: where the page-cache checkpoint goes (default TMPDIR)")
+    parser.add_argument("--issue-child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("gpu_bench needs CUDA")
+    if args.issue:
+        issue_main(args)
+        return
     device = "cuda:0"
     nbytes = int(args.size_gb * GB) // MIB * MIB
     print(machine(), flush=True)

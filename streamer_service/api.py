@@ -189,10 +189,13 @@ def create_app(settings: Settings) -> FastAPI:
     @app.get("/readyz")
     def readyz(request: Request) -> dict:
         d = daemon(request)
+        pages = d.store.pages
         return {
             "status": "ready",
             "shm_dir": str(d.store.shm_dir),
             "shm_budget": d.budget.limit,
+            "shm_page_size": pages.size,  # docs/deploy.md, "Huge-page segments"
+            "shm_pages": pages.source,
             "read_parallelism": read_parallelism_in_force(settings),  # docs/configuration.md, "Read parallelism"
         }
 

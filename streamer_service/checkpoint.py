@@ -16,10 +16,10 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from streamer_client.errors import CheckpointError
+from streamer_client.errors import CheckpointError, ObjectNotFoundError
 
 from .catalog import Catalog, build_catalog
-from .metadata import MetadataCache
+from .metadata import Marker, MetadataCache
 from .settings import Settings
 from .storage import open_storage
 from .uri import StorageURI, parse_uri
@@ -27,6 +27,9 @@ from .uri import StorageURI, parse_uri
 __all__ = ["Checkpoint", "open_checkpoint"]
 
 log = logging.getLogger(__name__)
+
+# What fixes a checkpoint that is inconsistent as listed: the next load lists it again (issue 14).
+_LISTED_AGAIN = "listed just now; if an upload is still in progress, load again once it has finished"
 
 
 @dataclass(frozen=True)
@@ -46,17 +49,35 @@ def open_checkpoint(
         uri = parse_uri(uri)
     cache = MetadataCache(settings)
     metadata_dir, marker = cache.pull_marker(uri, force=force, launch_id=launch_id)
+    cache_file = cache.root / f"{uri.cache_key}.catalog.json"
+    try:
+        try:
+            catalog, fingerprint = _catalog(uri, settings, marker, cache_file)
+        except (CheckpointError, ObjectNotFoundError) as exc:
+            if cache.downloads:
+                raise  # listed just now: the checkpoint itself is inconsistent
+            # The cached listing may predate the end of an upload (issue 14): list once more
+            # before failing, so a finished upload loads without a forced pull.
+            log.info("%s; pulling the metadata of %s again in case its cached listing is out of date", exc, uri)
+            metadata_dir, marker = cache.pull_marker(uri, force=force, launch_id=launch_id, stale=marker)
+            catalog, fingerprint = _catalog(uri, settings, marker, cache_file)
+    except (CheckpointError, ObjectNotFoundError) as exc:
+        raise type(exc)(f"{exc.message} ({_LISTED_AGAIN})", uri=exc.uri, key=exc.key) from None
+    generation = f"{fingerprint}:{marker.launch_id}:{marker.pulled_at}"
+    return Checkpoint(uri=uri, metadata_dir=metadata_dir, catalog=catalog, generation=generation)
+
+
+def _catalog(uri: StorageURI, settings: Settings, marker: Marker, cache_file: Path) -> tuple[Catalog, str]:
+    """The catalog of the listing ``marker`` recorded (from the catalog cache when it matches), and its key."""
     objects = [*marker.files, *marker.weights]
     fingerprint = Catalog.fingerprint(objects)
-    cache_file = cache.root / f"{uri.cache_key}.catalog.json"
     catalog = _load_cached(cache_file, fingerprint)
     if catalog is None:
         with open_storage(uri, settings) as storage:
             catalog = build_catalog(storage, objects)
         _store(cache_file, fingerprint, catalog)
         log.info("catalog of %s: %d tensors, %d bytes in %d files", uri, len(catalog), catalog.total_bytes, len(catalog.files))
-    generation = f"{fingerprint}:{marker.launch_id}:{marker.pulled_at}"
-    return Checkpoint(uri=uri, metadata_dir=metadata_dir, catalog=catalog, generation=generation)
+    return catalog, fingerprint
 
 
 def _load_cached(path: Path, fingerprint: str) -> Catalog | None:

@@ -12,10 +12,10 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from streamer_client.errors import StreamerError
+from streamer_client.errors import ConfigError, InvalidURIError, StreamerError
 
 from . import logs
-from .settings import DEFAULT_SOCKET, Settings, get_settings
+from .settings import DEFAULT_SOCKET, Settings, describe_invalid, get_settings
 
 log = logging.getLogger("streamer_service")
 
@@ -63,8 +63,21 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from .server import serve
 
-    settings = _settings(args)
-    return serve(settings, socket_mode=0o660 if settings.group_access else 0o600)
+    try:
+        settings = _settings(args)
+    except ValidationError as exc:
+        return _startup_error(args, describe_invalid(exc), exc)
+    try:
+        return serve(settings, socket_mode=0o660 if settings.group_access else 0o600)
+    except (ConfigError, InvalidURIError) as exc:
+        # Refused before anything was bound or served (server.check_startup, bind_unix_socket).
+        return _startup_error(args, str(exc), exc)
+
+
+def _startup_error(args: argparse.Namespace, message: str, exc: BaseException) -> int:
+    """A refused start: one line and exit 2, nothing served (issue 14; docs/daemon.md, "Exit codes")."""
+    json_lines = (args.log_format or get_settings().log_format) == "json"
+    return _error(f"streamer-service serve: error: {message}", EXIT_USAGE, json_lines=json_lines, command="serve", exc=exc)
 
 
 def cmd_health(args: argparse.Namespace) -> int:
@@ -156,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(run=cmd_serve)
 
     health = sub.add_parser("health", help="ask the daemon whether it is up (exit 0) or ready (--ready)")
-    health.add_argument("--socket", help="the daemon's unix socket (STREAMER_SOCKET; default /run/streamer-service/daemon.sock)")
+    health.add_argument("--socket", help=f"the daemon's unix socket (STREAMER_SOCKET; default {DEFAULT_SOCKET})")
     health.add_argument("--ready", action="store_true", help="ask /readyz (the daemon takes sessions) instead of /healthz (it is up)")
     health.add_argument("--json", action="store_true", help="print the daemon's whole answer as one JSON object")
     health.set_defaults(run=cmd_health)
@@ -225,8 +238,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not isinstance(logging.getLevelName(level), int):  # --log-level is not validated by Settings
             raise ValueError(f"unknown log level {level!r}")
         fmt = args.log_format or settings.log_format
-    except Exception as exc:  # noqa: BLE001 - a bad STREAMER_* variable is a usage error
-        return _error(f"streamer-service: invalid configuration: {exc}", EXIT_USAGE, json_lines=args.log_format == "json",
+    except ValidationError as exc:  # a bad STREAMER_* variable is a usage error, named as set (issue 14)
+        return _error(f"streamer-service {args.command}: error: {describe_invalid(exc)}", EXIT_USAGE,
+                      json_lines=args.log_format == "json", command=args.command, exc=exc)  # fmt: skip
+    except ValueError as exc:
+        return _error(f"streamer-service {args.command}: error: {exc}", EXIT_USAGE, json_lines=args.log_format == "json",
                       command=args.command, exc=exc)  # fmt: skip
     logs.configure(level, fmt)
     json_lines = fmt == "json"
@@ -235,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except StreamerError as exc:
         return _error(f"streamer-service {args.command}: error: {exc}", EXIT_ERROR, json_lines=json_lines, command=args.command, exc=exc)
     except ValidationError as exc:
-        return _error(f"streamer-service {args.command}: invalid setting: {exc}", EXIT_USAGE, json_lines=json_lines,
+        return _error(f"streamer-service {args.command}: error: {describe_invalid(exc)}", EXIT_USAGE, json_lines=json_lines,
                       command=args.command, exc=exc)  # fmt: skip
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED

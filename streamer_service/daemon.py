@@ -25,7 +25,7 @@ from .runai import check_credentials, storage_environment
 from .ledger import UNFINISHED, RankStatus
 from .session import Session, SessionState
 from .settings import Settings
-from .shm import SegmentPool, SegmentStore, ShmBudget
+from .shm import SegmentPool, SegmentStore, ShmBudget, small_pages_advice
 from .stats import DaemonStats, SessionSummary
 from .uri import StorageURI, parse_uri
 from .versions import ObjectVersions
@@ -110,10 +110,13 @@ class Daemon:
             log.warning("no --allow prefixes: this daemon will read any URI its credentials reach")
         self._reaper = threading.Thread(target=self._reap_loop, name="reaper", daemon=True)
         self._reaper.start()
+        pages = self.store.pages
         log.info(
-            "daemon ready: shm %s (budget %d bytes, slots of %d), cache %s",
-            self.store.shm_dir, self.budget.limit, self.slot_size, self.settings.cache_dir,
+            "daemon ready: shm %s (budget %d bytes, slots of %d, %d KiB pages: %s), cache %s",
+            self.store.shm_dir, self.budget.limit, self.slot_size, pages.size // 1024, pages.source, self.settings.cache_dir,
         )  # fmt: skip
+        if not pages.huge:
+            log.warning("%s", small_pages_advice(self.store.shm_dir, pages))
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop every session (reads in flight drain, nothing new is read) and give back their
@@ -346,6 +349,7 @@ class Daemon:
             shm_budget=self.budget.limit,
             shm_in_use=self.budget.in_use,
             shm_peak=self.budget.peak,
+            shm_page_size=self.store.pages.size if self.store is not None else 0,
             segments_idle=self.pool.idle,
             segments_reused=self.pool.reused,
             bytes_read=self.bytes_read + sum(s.bytes_read for s in active),

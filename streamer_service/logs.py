@@ -25,6 +25,9 @@ TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {"message", "asctime", "taskName", "color_message"}
 
 
+_SDK_LOGGERS = ("httpx", "botocore", "boto3", "s3transfer", "urllib3", "azure", "google")
+
+
 class JsonFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         entry = {
@@ -50,7 +53,11 @@ def configure(level: str, fmt: str, stream=None) -> None:
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
+    # One INFO line per request (httpx), "Found credentials in environment variables." (botocore),
+    # every Azure request's headers (azure.core): SDK chatter, not ours, unless debugging (issue 14).
+    sdk_level = logging.DEBUG if logging.getLevelName(level) == logging.DEBUG else logging.WARNING
+    for name in _SDK_LOGGERS:
+        logging.getLogger(name).setLevel(sdk_level if name != "httpx" else logging.WARNING)
 
 
 def progress_mode(asked: str | None) -> str:

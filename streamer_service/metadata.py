@@ -15,6 +15,7 @@ twice. A dir without a marker is incomplete and is replaced by the next pull.
 from __future__ import annotations
 
 import errno
+import fnmatch
 import json
 import logging
 import os
@@ -22,11 +23,13 @@ import secrets
 import shutil
 import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 
-from streamer_client.errors import CacheError, ObjectChangedError, ObjectNotFoundError, StreamerError, UnsafeKeyError
+from streamer_client.errors import CacheError, CheckpointError, ObjectChangedError, ObjectNotFoundError, StreamerError, UnsafeKeyError
+from streamer_client.launch import launch_origin
 from streamer_client.progress import bar
 
 from .launch import resolve_launch_id
@@ -35,7 +38,7 @@ from .settings import Settings
 from .storage import ObjectInfo, Storage, open_storage
 from .uri import StorageURI, parse_uri
 
-__all__ = ["MARKER", "WEIGHT_SUFFIXES", "MetadataCache", "Marker", "is_weight", "safe_relative_path"]
+__all__ = ["LOADER_PATTERNS", "MARKER", "WEIGHT_SUFFIXES", "MetadataCache", "Marker", "is_weight", "safe_relative_path", "wanted"]
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +52,28 @@ WEIGHT_SUFFIXES = (
 )  # fmt: skip
 
 
+# What loaders read besides weights (issue 14: "every file that is not a weight" pulled 50 MB
+# TensorRT engines, .nemo archives, .npy and .pkl files). Matched against the base name. vLLM pulls
+# a model's "*.json", "*.py" and "*.model"; transformers' tokenizers also read vocab and merges
+# text, tiktoken files (Kimi, Qwen) and chat templates. STREAMER_METADATA_PATTERNS adds more.
+LOADER_PATTERNS = (
+    "*.json",  # config, generation config, tokenizer, preprocessor, the safetensors index
+    "*.py",  # remote code (trust_remote_code)
+    "*.model", "*.spm", "*.tiktoken", "*.vocab", "*.bpe",  # sentencepiece, tiktoken, BPE vocabularies
+    "*.txt",  # merges.txt, vocab.txt
+    "*.jinja", "*.jinja2",  # chat templates
+    "tokenizer*",  # tokenizer files without a suffix
+)  # fmt: skip
+
+
 def is_weight(name: str) -> bool:
     return name.lower().endswith(WEIGHT_SUFFIXES)
+
+
+def wanted(name: str, extra: Sequence[str] = ()) -> bool:
+    """Whether a loader reads ``name`` (a key relative to the prefix): it goes into the metadata cache."""
+    base = name.rsplit("/", 1)[-1]
+    return not is_weight(name) and base != MARKER and any(fnmatch.fnmatchcase(base, p) for p in (*LOADER_PATTERNS, *extra))
 
 
 def safe_relative_path(name: str, uri: str) -> PurePosixPath:
@@ -147,15 +170,24 @@ class MetadataCache:
         return self.pull_marker(uri, force=force, launch_id=launch_id)[0]
 
     def pull_marker(
-        self, uri: str | StorageURI, *, force: bool | None = None, launch_id: str | None = None
+        self,
+        uri: str | StorageURI,
+        *,
+        force: bool | None = None,
+        launch_id: str | None = None,
+        stale: Marker | None = None,
     ) -> tuple[Path, Marker]:
-        """:meth:`pull`, also returning the marker (the listing the catalog is built from)."""
+        """:meth:`pull`, also returning the marker (the listing the catalog is built from).
+
+        ``stale``: a marker found inconsistent with the checkpoint (a listing taken while an upload
+        was incomplete): pulled again unless another process already replaced it.
+        """
         if not isinstance(uri, StorageURI):
             uri = parse_uri(uri)
         force = self.settings.force_pull if force is None else force
         launch = resolve_launch_id(self.settings, launch_id)
         final = self.dir_for(uri)
-        if (marker := self._usable(final, force, launch)) is not None:
+        if (marker := self._usable(final, force, launch, stale)) is not None:
             return final, marker
         try:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -169,7 +201,7 @@ class MetadataCache:
         )
         with lock:
             # Look again: the process we waited for may have finished the work.
-            if (marker := self._usable(final, force, launch)) is not None:
+            if (marker := self._usable(final, force, launch, stale)) is not None:
                 log.debug("metadata of %s pulled by another process; reusing %s", uri, final)
                 return final, marker
             self._sweep(uri)
@@ -178,10 +210,17 @@ class MetadataCache:
         self.downloads += 1
         return final, marker
 
-    def _usable(self, final: Path, force: bool, launch: str) -> Marker | None:
+    def _usable(self, final: Path, force: bool, launch: str, stale: Marker | None = None) -> Marker | None:
         marker = Marker.read(final)
-        if marker is None or (force and marker.launch_id != launch):
+        if marker is None or (force and marker.launch_id != launch) or marker == stale:
             return None
+        if force:
+            # Forcing is once per launch (DESIGN 4); say so, or a forced pull silently does nothing.
+            log.info(
+                "forced pull of %s skipped: launch %s (%s) already pulled it at %s; "
+                "set STREAMER_LAUNCH_ID to a new value to pull again",
+                marker.uri, launch, launch_origin(launch), marker.pulled_at,
+            )  # fmt: skip
         return marker
 
     def _sweep(self, uri: StorageURI) -> None:
@@ -195,12 +234,14 @@ class MetadataCache:
         started = time.monotonic()
         objects = storage.list_objects()
         if not objects:
-            raise ObjectNotFoundError(f"no objects under {uri}", uri=uri.normalized)
-        files = [o for o in objects if not is_weight(o.name) and o.name != MARKER]
+            raise self._nothing_under(uri)
+        files = [o for o in objects if wanted(o.name, self.settings.metadata_patterns)]
         weights = [o for o in objects if is_weight(o.name)]
-        # Validate every key before the first download: a bad key costs no transfer.
+        skipped = len(objects) - len(files) - len(weights)
+        # Validate every key and size before the first download: a bad key costs no transfer.
         paths = {o.name: safe_relative_path(o.name, uri.normalized) for o in files}
         _refuse_file_dir_clashes(paths, uri)
+        self._check_sizes(files, uri)
 
         token = f"{os.getpid()}-{secrets.token_hex(4)}"
         tmp = self.root / f".tmp-{uri.cache_key}-{token}"
@@ -226,10 +267,46 @@ class MetadataCache:
         )
         self._write_marker(final, marker, uri)
         log.info(
-            "pulled %d metadata files (%d bytes) of %s into %s in %.2f s (launch %s)",
-            len(files), total, uri, final, time.monotonic() - started, launch,
+            "pulled %d metadata files (%d bytes) of %s into %s in %.2f s (launch %s; %d files no loader reads left out)",
+            len(files), total, uri, final, time.monotonic() - started, launch, skipped,
         )  # fmt: skip
         return marker
+
+    def _nothing_under(self, uri: StorageURI) -> ObjectNotFoundError:
+        """``no objects under``, or, when the URI names one object, that it should name its prefix."""
+        if not uri.is_local and uri.prefix:
+            parent_prefix, _, base = uri.prefix.rpartition("/")
+            parent = StorageURI(uri.scheme, uri.bucket, parent_prefix, uri.original)
+            try:
+                with open_storage(parent, self.settings) as storage:
+                    storage.stat(base)
+            except StreamerError:
+                pass  # not an object either (or not readable): the plain message
+            else:
+                return ObjectNotFoundError(
+                    f"{uri} names one object, not a checkpoint: give the prefix it is under, {parent}",
+                    uri=uri.normalized,
+                )
+        return ObjectNotFoundError(f"no objects under {uri}", uri=uri.normalized)
+
+    def _check_sizes(self, files: Sequence[ObjectInfo], uri: StorageURI) -> None:
+        most, total = int(self.settings.metadata_max_file_bytes), int(self.settings.metadata_max_total_bytes)
+        for obj in files:
+            if obj.size > most:
+                raise CheckpointError(
+                    f"refusing to pull {obj.name!r} of {uri}: {obj.size} bytes is over the per-file limit of "
+                    f"{most} bytes (STREAMER_METADATA_MAX_FILE_BYTES); raise it if a loader needs this file",
+                    uri=uri.normalized,
+                    key=obj.name,
+                )
+        if (size := sum(o.size for o in files)) > total:
+            largest = max(files, key=lambda o: o.size)
+            raise CheckpointError(
+                f"refusing to pull the metadata of {uri}: {len(files)} files of {size} bytes are over the limit of "
+                f"{total} bytes (STREAMER_METADATA_MAX_TOTAL_BYTES); the largest is {largest.name!r} ({largest.size} bytes)",
+                uri=uri.normalized,
+                key=largest.name,
+            )
 
     def _download(self, storage: Storage, obj: ObjectInfo, dest: Path, uri: StorageURI) -> int:
         try:

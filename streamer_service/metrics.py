@@ -91,6 +91,7 @@ class _Gauges(Collector):
             ("streamer_shm_in_use_bytes", "Shared-memory segment bytes held by sessions and the idle pool", stats.shm_in_use),
             ("streamer_shm_budget_bytes", "The shared-memory budget (STREAMER_SHM_BUDGET)", stats.shm_budget),
             ("streamer_shm_peak_bytes", "Most segment bytes held at once since start", stats.shm_peak),
+            ("streamer_shm_page_size_bytes", "Page size backing the shm dir's segments (2 MiB: huge pages)", stats.shm_page_size),
             ("streamer_shm_idle_segments", "Idle segments kept for the next load", stats.segments_idle),
             ("streamer_resident_bytes", "Checkpoint bytes kept in shared memory for reloads", stats.resident.resident_bytes),
             (

@@ -17,14 +17,15 @@ from pathlib import Path
 
 import uvicorn
 
-from streamer_client.errors import ConfigError
+from streamer_client.errors import ConfigError, InvalidURIError
 
 from .api import PeerCredentialsProtocol, create_app
 from .runai import read_parallelism_in_force
 from .scrape import MetricsListener
-from .settings import DEFAULT_SOCKET, Settings
+from .settings import DEFAULT_SOCKET, Settings, few_slots_warning
+from .uri import parse_uri
 
-__all__ = ["DEFAULT_SOCKET", "ChildDaemon", "serve", "bind_unix_socket"]
+__all__ = ["DEFAULT_SOCKET", "ChildDaemon", "check_startup", "serve", "bind_unix_socket"]
 
 log = logging.getLogger(__name__)
 
@@ -67,12 +68,33 @@ def bind_loopback(port: int) -> socket.socket:
     return sock
 
 
-def serve(settings: Settings, *, socket_mode: int = 0o600) -> int:
-    path = Path(settings.socket) if settings.socket else DEFAULT_SOCKET
+def check_startup(settings: Settings) -> None:
+    """Refuse, before anything is bound or served, what would make the daemon fail at start-up.
+
+    Without this a bad ``--allow`` or ``--shm-dir`` failed inside uvicorn's lifespan: a traceback
+    after "serving on unix socket" was logged, and exit 3 (issue 14).
+    """
     if settings.tcp_port is not None and not (settings.token and settings.token.get_secret_value()):
         raise ConfigError("--tcp-port needs a bearer token in STREAMER_TOKEN")
     if settings.metrics_port is not None and settings.metrics_port == settings.tcp_port:
         raise ConfigError(f"--metrics-port {settings.metrics_port} is also --tcp-port: give the metrics listener a port of its own")
+    for prefix in settings.allow:
+        try:
+            parse_uri(prefix)
+        except InvalidURIError as exc:
+            raise ConfigError(f"--allow / STREAMER_ALLOW prefix {prefix!r} is not a URI this daemon can read: {exc}") from None
+    shm = Path(settings.shm_dir)
+    if not shm.is_dir():
+        raise ConfigError(f"--shm-dir / STREAMER_SHM_DIR {shm} is not a directory")
+    if not os.access(shm, os.W_OK | os.X_OK):
+        raise ConfigError(f"--shm-dir / STREAMER_SHM_DIR {shm} is not writable by this user")
+    if (warning := few_slots_warning(settings)) is not None:
+        log.warning("%s", warning)
+
+
+def serve(settings: Settings, *, socket_mode: int = 0o600) -> int:
+    path = Path(settings.socket) if settings.socket else DEFAULT_SOCKET
+    check_startup(settings)
     app = create_app(settings)
     listener = None
     if settings.metrics_port is not None:  # bound first: a port in use stops the start, leaving nothing behind

@@ -312,7 +312,7 @@ class Session:
     def _plan(self, tensors: list[TensorInfo]) -> Plan:
         """The plan for ``tensors``; with room in the retention budget, their bytes will stay resident."""
         plan = build_plan(tensors, self._slot_size)
-        need = sum(b.buffer_bytes for b in plan.batches if b.ranges)
+        need = sum(self._pool.store.pages.round(b.buffer_bytes) for b in plan.batches if b.ranges)  # whole pages
         if self._copy is not None and need and self._resident.claim(self._copy, need):
             self._claimed = need
         elif self._copy is not None and need:
@@ -486,8 +486,8 @@ class Session:
             return  # the resident copy owns it now
         if slot.oversized:
             self._slots.remove(slot)
-            # Unlinked now; ranks dropped their mappings of it when they released it.
-            self._pool.give(slot.segment, slot.reservation, keep=False, now=self._clock())
+            # Ranks dropped their mappings of it when they released it; kept idle for a reload.
+            self._pool.give(slot.segment, slot.reservation, keep=True, now=self._clock())
         self._ring.give(slot, oversized=slot.oversized)
 
     # ------------------------------------------------------------------ ending
@@ -513,7 +513,7 @@ class Session:
             self._ring.drain()
         for slot in slots:
             if not slot.kept:
-                self._pool.give(slot.segment, slot.reservation, keep=not slot.oversized, now=self._clock())
+                self._pool.give(slot.segment, slot.reservation, keep=True, now=self._clock())
             elif not slot.resident:
                 slot.segment.close()  # claimed but never filled: the load failed first
         if self._copy is not None:

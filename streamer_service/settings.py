@@ -8,18 +8,34 @@ docs/configuration.md for the full table.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import AliasChoices, ByteSize, Field, SecretStr, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import AliasChoices, ByteSize, Field, SecretStr, ValidationError, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-__all__ = ["Settings", "get_settings", "default_cache_dir", "DEFAULT_SOCKET"]
+from streamer_client._config import DEFAULT_SOCKET as _CLIENT_DEFAULT_SOCKET
 
-DEFAULT_SOCKET = Path("/run/streamer-service/daemon.sock")
-"""The daemon's socket when ``STREAMER_SOCKET`` is unset (``serve``, ``health``)."""
+__all__ = [
+    "DEFAULT_SOCKET", "MIN_SHM_BUDGET", "Settings", "default_cache_dir", "describe_invalid", "env_name", "few_slots_warning",
+    "get_settings",
+]  # fmt: skip
+
+# One default for serve, health, the client, docs and manifests (issue 14); the client owns it, it
+# cannot import the service.
+DEFAULT_SOCKET = _CLIENT_DEFAULT_SOCKET
+"""The daemon's socket when ``STREAMER_SOCKET`` is unset (``serve``, ``health``, the ranks)."""
+
+MIN_SHM_BUDGET = 64 * 1024
+"""The smallest shared-memory budget that holds one useful slot. Below it every tensor becomes a
+batch of its own (``--shm-budget 1``: 20,000 tensors took 33.7 s instead of 0.6 s, issue 14)."""
+
+FEW_SLOTS = 4
+"""A budget of fewer slots than this (of the configured slot size) is accepted with a warning."""
 
 
 def default_cache_dir() -> Path:
@@ -40,13 +56,13 @@ class Settings(BaseSettings):
     """Where shared-memory segments live (daemon mode)."""
 
     shm_budget: ByteSize = ByteSize(4 * 1024**3)
-    """Most bytes of tensor buffers in use at once (plus one oversized tensor)."""
+    """Most bytes of tensor buffers in use at once (plus one oversized tensor); at least 64 KiB."""
 
-    slot_size: ByteSize = ByteSize(256 * 1024**2)
+    slot_size: ByteSize = Field(default=ByteSize(256 * 1024**2), gt=0)
     """Size of one buffer slot; tensors larger than this get their own allocation."""
 
     socket: Path | None = None
-    """Unix socket of the node daemon."""
+    """Unix socket of the node daemon (unset: ``/run/streamer/daemon.sock``, the client's default too)."""
 
     launch_id: str | None = None
     """Explicit launch id (see docs/metadata-cache.md); default derived per process."""
@@ -128,9 +144,20 @@ class Settings(BaseSettings):
     build_revision: str = "unknown"
     """Source revision the image was built from (the Dockerfile sets it); reported in ``streamer_build_info``."""
 
-    allow: list[str] = Field(default_factory=list)
-    """URI prefixes the daemon may read (``--allow``, repeatable; JSON list in the environment).
-    Empty: any URI (the daemon logs a warning)."""
+    allow: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """URI prefixes the daemon may read (``--allow``, repeatable; in the environment a comma- or
+    space-separated list, or a JSON list). Empty: any URI (the daemon logs a warning)."""
+
+    metadata_patterns: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    """More file-name patterns (fnmatch, on the base name) to pull into the metadata cache, on top
+    of ``metadata.LOADER_PATTERNS``; comma- or space-separated in the environment."""
+
+    metadata_max_file_bytes: ByteSize = Field(default=ByteSize(256 * 1024**2), gt=0)
+    """Largest single file a metadata pull accepts (a bigger one fails the pull, naming it)."""
+
+    metadata_max_total_bytes: ByteSize = Field(default=ByteSize(1024**3), gt=0)
+    """Most bytes one metadata pull may download in total."""
+
 
     retention_budget: ByteSize = ByteSize(0)
     """Shared memory the daemon may keep checkpoint bytes in after their load, so that the next load
@@ -157,6 +184,24 @@ class Settings(BaseSettings):
     """Progress bars on stderr (tqdm): ``auto`` draws them only when stderr is a terminal
     (``--progress`` / ``--no-progress``); the client draws one only when asked (``progress=True``)."""
 
+    @field_validator("allow", "metadata_patterns", mode="before")
+    @classmethod
+    def _word_list(cls, value):
+        # STREAMER_ALLOW="s3://a/m, gs://b/m" or "s3://a/m gs://b/m"; a JSON list still works.
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                return json.loads(text)
+            return [part for part in re.split(r"[,\s]+", text) if part]
+        return value
+
+    @field_validator("shm_budget")
+    @classmethod
+    def _one_slot(cls, value: ByteSize) -> ByteSize:
+        if value < MIN_SHM_BUDGET:
+            raise ValueError(f"a budget of {int(value)} bytes is below one slot ({MIN_SHM_BUDGET} bytes = 64KiB); give e.g. 4GiB")
+        return value
+
     @field_validator("log_level")
     @classmethod
     def _level(cls, value: str) -> str:
@@ -170,6 +215,37 @@ class Settings(BaseSettings):
     def _run_id(cls, value: str | None) -> str | None:
         # torchrun without a rendezvous id exports the literal "none".
         return None if not value or value == "none" else value
+
+
+def env_name(field: str) -> str:
+    """The environment variable a settings field is read from (its alias, else ``STREAMER_<FIELD>``)."""
+    info = Settings.model_fields.get(field)
+    alias = info.validation_alias if info is not None else None
+    if isinstance(alias, AliasChoices):
+        return str(alias.choices[0])
+    return f"STREAMER_{field.upper()}"
+
+
+def describe_invalid(exc: ValidationError) -> str:
+    """A pydantic error as one line naming each variable, e.g. ``STREAMER_SHM_BUDGET='lots': ...``."""
+    problems = []
+    for error in exc.errors():
+        field = str(error["loc"][0]) if error["loc"] else ""
+        name = env_name(field) if field in Settings.model_fields else field
+        problems.append(f"{name}={error.get('input')!r}: {error['msg']}")
+    return "; ".join(problems)
+
+
+def few_slots_warning(settings: Settings) -> str | None:
+    """What to warn about when the budget holds fewer than a few slots of the configured size."""
+    budget, slot = int(settings.shm_budget), int(settings.slot_size)
+    if budget >= FEW_SLOTS * slot:
+        return None
+    return (
+        f"STREAMER_SHM_BUDGET ({budget} bytes) holds fewer than {FEW_SLOTS} slots of STREAMER_SLOT_SIZE "
+        f"({slot} bytes): slots shrink to {max(budget // FEW_SLOTS, 1)} bytes and loads of many tensors "
+        "take more requests; raise the budget for speed"
+    )
 
 
 @lru_cache(maxsize=1)

@@ -59,6 +59,7 @@ class DaemonStats:
     shm_budget: int
     shm_in_use: int
     shm_peak: int
+    shm_page_size: int  # the page size backing the shm dir (2 MiB: huge pages)
     segments_idle: int
     segments_reused: int
     bytes_read: int  # from storage, every session so far
@@ -73,6 +74,7 @@ class DaemonStats:
             "shm_budget": self.shm_budget,
             "shm_in_use": self.shm_in_use,
             "shm_peak": self.shm_peak,
+            "shm_page_size": self.shm_page_size,
             "segments_idle": self.segments_idle,
             "segments_reused": self.segments_reused,
             "bytes_read": self.bytes_read,

@@ -59,6 +59,11 @@ class StorageURI:
         return f"{self.scheme.value}://{self.bucket}{tail}"
 
     @property
+    def bucket_word(self) -> str:
+        """What the storage calls ``bucket``, for messages: Azure's is a container."""
+        return bucket_word(self.scheme)
+
+    @property
     def is_local(self) -> bool:
         return self.scheme is Scheme.LOCAL
 
@@ -81,6 +86,10 @@ class StorageURI:
 
     def __str__(self) -> str:
         return self.normalized
+
+
+def bucket_word(scheme: Scheme) -> str:
+    return "container" if scheme is Scheme.AZURE else "bucket"
 
 
 def _has_control(text: str) -> bool:
@@ -120,14 +129,14 @@ def parse_uri(uri: str | os.PathLike) -> StorageURI:
         return _local(rest, uri)
     if "?" in rest or "#" in rest:
         raise InvalidURIError(
-            f"checkpoint URI {uri!r} has a query or fragment; give only bucket and prefix", uri=uri
+            f"checkpoint URI {uri!r} has a query or fragment; give only {bucket_word(scheme)} and prefix", uri=uri
         )
     bucket, _, prefix = rest.partition("/")
     if not bucket:
-        raise InvalidURIError(f"checkpoint URI {uri!r} names no bucket", uri=uri)
+        raise InvalidURIError(f"checkpoint URI {uri!r} names no {bucket_word(scheme)}", uri=uri)
     if not bucket.isascii() or not _BUCKET_RE.match(bucket) or ".." in bucket:
         raise InvalidURIError(
-            f"invalid bucket or container name {bucket!r} in {uri!r} "
+            f"invalid {bucket_word(scheme)} name {bucket!r} in {uri!r} "
             "(3-222 characters of a-z, 0-9, '.', '-', '_')",
             uri=uri,
         )

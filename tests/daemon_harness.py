@@ -53,12 +53,16 @@ RANK_SCRIPT = textwrap.dedent(
 )
 
 
+START_TIMEOUT_S = 120
+
+
 class DaemonProcess:
     """``streamer-service serve`` on a socket under ``root``, segments in ``root/shm``.
 
     ``tmpfs`` ({dir: size}) runs the daemon in a private mount namespace (``unshare -m``, root
     only) where each dir is a tmpfs of that size: a full disk or shm filesystem without touching
-    the machine. Ranks then join that namespace (``nsenter``); :meth:`view` reads its files.
+    the machine. A size may carry more tmpfs options (``"96m,huge=always"``: huge pages), and
+    ``"hugetlbfs:pagesize=2M"`` mounts hugetlbfs instead (its pool is the machine's, left as it is). Ranks then join that namespace (``nsenter``); :meth:`view` reads its files.
     """
 
     def __init__(
@@ -79,18 +83,21 @@ class DaemonProcess:
     def start(self) -> "DaemonProcess":
         cmd = [sys.executable, "-m", "streamer_service", "serve", "--socket", str(self.socket), *self.extra]
         if self.tmpfs:
-            mounts = " && ".join(f"mount -t tmpfs -o size={size} tmpfs {shlex.quote(str(d))}" for d, size in self.tmpfs.items())
+            mounts = " && ".join(_mount(d, spec) for d, spec in self.tmpfs.items())
             cmd = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", f'{mounts} && exec "$@"', "sh", *cmd]
         cmd = [*self.wrap, *cmd]
         self.proc = subprocess.Popen(cmd, env=self.env, stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
+        # Generous: at a load average of 12-14 on two cores a daemon took 29.8 s to answer (torch,
+        # FastAPI and Run:ai imports), and a 30 s deadline failed tests now and then.
+        deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"daemon exited {self.proc.returncode}: {self.log.read_text()[-3000:]}")
             if self.healthy():
                 return self
             time.sleep(0.05)
-        raise RuntimeError(f"daemon not healthy in 30 s: {self.log.read_text()[-3000:]}")
+        self.stop(signal.SIGKILL)  # a daemon that never came up must not outlive the test
+        raise RuntimeError(f"daemon not healthy in {START_TIMEOUT_S} s: {self.log.read_text()[-3000:]}")
 
     def client(self) -> httpx.Client:
         return httpx.Client(transport=httpx.HTTPTransport(uds=str(self.socket)), base_url="http://d", timeout=10)
@@ -132,6 +139,13 @@ class DaemonProcess:
             [*wrap, *self._prefix(), sys.executable, "-c", RANK_SCRIPT, uri, str(rank), str(world), str(truth_dir), json.dumps(select)],
             env=self.rank_env(**env), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
+
+
+def _mount(directory: Path, spec: str) -> str:
+    fstype, _, options = spec.rpartition(":")
+    if not fstype:
+        fstype, options = "tmpfs", f"size={options}"
+    return f"mount -t {fstype} -o {shlex.quote(options)} {fstype} {shlex.quote(str(directory))}"
 
 
 def finish(proc: subprocess.Popen, timeout: float = 300) -> dict:

@@ -56,7 +56,7 @@ BAD_URIS = {
     "s3:///models/x": "names no bucket",
     "s3://bucket/models/x?versionId=3": "has a query or fragment",
     "s3://bucket/models/x#junk": "has a query or fragment",
-    "s3://bücket/models/x": "invalid bucket or container name 'bücket'",
+    "s3://bücket/models/x": "invalid bucket name 'bücket'",
     "gs://bucket/models/../../etc": "'..' path segments",
     "": "empty",
 }

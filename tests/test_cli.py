@@ -2,6 +2,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 CLI = [sys.executable, "-m", "streamer_service"]
 
@@ -37,7 +39,8 @@ def test_bad_setting_is_a_usage_error(tmp_path):
 
     result = run("pull", str(tmp_path), env={**os.environ, "STREAMER_LOCK_TIMEOUT_S": "soon"})
     assert result.returncode == 2
-    assert "invalid configuration" in result.stderr and "lock_timeout_s" in result.stderr
+    assert result.stderr.startswith("streamer-service pull: error: STREAMER_LOCK_TIMEOUT_S='soon': ")
+    assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_health_without_a_daemon_fails_clearly(tmp_path):
@@ -170,3 +173,72 @@ def test_exit_codes_table_matches_the_cli():
     section = text[text.index("## Exit codes") :].split("\n## ", 1)[0]
     documented = {int(code) for code in re.findall(r"^\| (\d+) \|", section, re.M)}
     assert documented == {cli.EXIT_OK, cli.EXIT_ERROR, cli.EXIT_USAGE, cli.EXIT_INTERRUPTED}
+
+
+def _serve(tmp_path, *args, env=None):
+    import os
+
+    shm = tmp_path / "shm"
+    shm.mkdir(exist_ok=True)
+    sock = tmp_path / "d.sock"
+    result = run("serve", "--socket", str(sock), "--shm-dir", str(shm), *args, env={**os.environ, **(env or {})})
+    return result, sock
+
+
+@pytest.mark.parametrize(
+    "args, env, message",
+    [
+        (["--shm-dir", "/nonexistent"], {}, "--shm-dir / STREAMER_SHM_DIR /nonexistent is not a directory"),
+        (["--allow", "bogus://x"], {}, "--allow / STREAMER_ALLOW prefix 'bogus://x' is not a URI this daemon can read: unsupported URI scheme"),
+        (["--allow", "s3:/x"], {}, "--allow / STREAMER_ALLOW prefix 's3:/x' is not a URI this daemon can read: checkpoint directory 's3:/x' does not exist"),
+        ([], {"STREAMER_SHM_BUDGET": "lots"}, "STREAMER_SHM_BUDGET='lots': "),
+        (["--shm-budget", "1"], {}, "STREAMER_SHM_BUDGET='1': Value error, a budget of 1 bytes is below one slot (65536 bytes = 64KiB)"),
+        ([], {"STREAMER_ALLOW": "s3://okay/m, hdfs://nn/m"}, "prefix 'hdfs://nn/m' is not a URI this daemon can read"),
+    ],
+    ids=["shm-dir", "bogus-scheme", "one-slash", "env-budget", "budget-below-a-slot", "env-allow-list"],
+)
+def test_serve_startup_errors_are_one_line_exit_2_before_serving(tmp_path, args, env, message):
+    """Issue 14: these printed a uvicorn traceback after "serving on unix socket", and exited 3."""
+    result, sock = _serve(tmp_path, *args, env=env)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("streamer-service serve: error: "), result.stderr
+    assert message in lines[0]
+    assert not sock.exists()
+
+
+def test_a_budget_of_few_slots_is_served_with_a_warning(tmp_path):
+    import os
+    import signal
+    import time
+
+    shm = tmp_path / "shm"
+    shm.mkdir(exist_ok=True)
+    sock = tmp_path / "d.sock"
+    proc = subprocess.Popen(
+        [*CLI, "serve", "--socket", str(sock), "--shm-dir", str(shm), "--shm-budget", "256KiB"],
+        env={**os.environ, "STREAMER_SLOT_SIZE": "1MiB"}, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not sock.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    assert (
+        "STREAMER_SHM_BUDGET (262144 bytes) holds fewer than 4 slots of STREAMER_SLOT_SIZE (1048576 bytes): "
+        "slots shrink to 65536 bytes"
+    ) in err
+    assert err.index("holds fewer than 4 slots") < err.index("serving on unix socket")
+
+
+@pytest.mark.parametrize("backend", ["s3"], indirect=True)
+def test_cli_stderr_has_no_sdk_info_lines(backend, tmp_path):
+    import os
+
+    backend.put_tree("m", {"config.json": b"{}"})
+    result = run("pull", backend.uri("m"), env={**os.environ, **backend.env, "STREAMER_LOG_LEVEL": "INFO"})
+    assert result.returncode == 0, result.stderr
+    assert "botocore" not in result.stderr and "Found credentials" not in result.stderr
+    assert "pulled 1 metadata files" in result.stderr  # our own INFO lines still show

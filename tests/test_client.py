@@ -7,13 +7,14 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 
 import streamer_client
 from checkpoints import ground_truth, make_sharded_checkpoint, mixed_tensors, tensor_bytes
-from streamer_client.errors import ConfigError, SelectionError
+from streamer_client.errors import CheckpointError, ConfigError, DaemonError, SelectionError
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -122,3 +123,86 @@ def test_unreachable_daemon_falls_back_in_process_and_says_so_once(checkpoint, t
     assert result.stdout.strip() == "ok"
     said = [line for line in result.stderr.splitlines() if "no streamer daemon answers at" in line]
     assert len(said) == 1 and said[0].startswith("WARNING") and str(tmp_path / "nobody.sock") in said[0]
+
+
+@pytest.mark.parametrize("backend", ["local"], indirect=True)  # in this process: one object store at most
+def test_a_listing_cached_mid_upload_is_listed_again_once_the_upload_finished(backend, tmp_path):
+    """Issue 14: a load while 2 of 5 shards existed cached that listing; every later load failed
+    the same way until a forced pull, and the message did not say what fixes it."""
+    src = tmp_path / "five"
+    shards = make_sharded_checkpoint(src, mixed_tensors(seed=3), n_shards=5)
+    files = {p.name: p.read_bytes() for p in src.iterdir()}
+    backend.put_tree("m", {k: v for k, v in files.items() if k not in shards[2:]})  # index + 2 of 5
+    uri = backend.uri("m")
+    with pytest.raises(CheckpointError) as info:
+        streamer_client.load_state_dict(uri)
+    assert f"names shard {shards[2]!r}, which does not exist" in str(info.value)
+    assert str(info.value).endswith("(listed just now; if an upload is still in progress, load again once it has finished)")
+    backend.put_tree("m", {k: files[k] for k in shards[2:]})  # the upload finishes
+    got = streamer_client.load_state_dict(uri)  # no force: the stale listing is noticed and replaced
+    want = ground_truth(src)
+    assert set(got) == set(want) and all(_same(got[k], want[k]) for k in want)
+
+
+def test_require_daemon_fails_instead_of_reading_storage(checkpoint, tmp_path, monkeypatch):
+    with pytest.raises(DaemonError, match=r"no streamer daemon answers at /run/streamer/daemon.sock, and STREAMER_REQUIRE_DAEMON=1"):
+        streamer_client.stream(checkpoint, require_daemon=True)
+    monkeypatch.setenv("STREAMER_REQUIRE_DAEMON", "1")
+    monkeypatch.setenv("STREAMER_SOCKET", str(tmp_path / "nobody.sock"))
+    for call in (lambda: streamer_client.load_state_dict(checkpoint), lambda: streamer_client.pull_metadata(checkpoint)):
+        with pytest.raises(DaemonError, match=f"no streamer daemon answers at {tmp_path / 'nobody.sock'}"):
+            call()
+    assert not (tmp_path / "cache").exists()  # nothing was read in-process
+
+
+def test_ranks_find_the_daemon_at_the_default_socket_the_daemon_serves_on():
+    from streamer_client import _config
+    from streamer_service import server
+
+    assert server.DEFAULT_SOCKET == _config.DEFAULT_SOCKET == Path("/run/streamer/daemon.sock")
+    assert _config.client_config().socket is None  # STREAMER_SOCKET unset: the default is probed
+
+
+TWO_STORES = textwrap.dedent(
+    """
+    import json, sys, torch, streamer_client
+    loads = []
+    try:
+        for uri in sys.argv[1:]:
+            loads.append({n: t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes().hex()
+                          for n, t in streamer_client.stream(uri, budget="256KiB")})
+    finally:
+        print(json.dumps(loads), flush=True)
+    """
+)
+
+
+@pytest.mark.parametrize("in_daemon", [False, True], ids=["in-process", "daemon"])
+def test_a_second_object_store_in_one_process_is_refused_up_front(checkpoint, s3_service, gcs_service, daemon, in_daemon):
+    """Run:ai 0.17.0 fails every read from a second object store in one process (S3 then GCS, GCS
+    then S3) with "File access error"; docs/daemon.md's claim is checked here, and the second load
+    is refused before any read with an error that says why (issue 14)."""
+    backends = [s3_service.new_backend(), gcs_service.new_backend()]
+    try:
+        env = dict(os.environ)
+        for b in backends:
+            b.put_tree("m", {p.name: p.read_bytes() for p in checkpoint.iterdir()})
+            env.update(b.env)
+        if in_daemon:
+            env["STREAMER_SOCKET"] = str(daemon(env).socket)
+        result = subprocess.run(
+            [sys.executable, "-c", TWO_STORES, *(b.uri("m") for b in backends)], env=env, capture_output=True, text=True, timeout=300
+        )
+        assert result.returncode == 1
+        assert (
+            f"ConfigError: cannot stream {backends[1].uri('m')}: this process already streamed from s3:// and Run:ai 0.17.0 "
+            "keeps per-process state per object store"
+        ) in result.stderr.replace("streamer_client.errors.", ""), result.stderr[-3000:]
+        truth = ground_truth(checkpoint)
+        got = json.loads([line for line in result.stdout.splitlines() if line.startswith("[")][-1])
+        assert len(got) == 1 and all(bytes.fromhex(got[0][n]) == tensor_bytes(t) for n, t in truth.items())  # S3 was fine
+        # Of the second store only the headers were read (bytes=0-7 and the JSON after them).
+        assert {r.range.split("-")[0] for r in backends[1].proxy.requests if r.range} <= {"bytes=0", "bytes=8"}
+    finally:
+        for b in backends:
+            b.close()

@@ -17,22 +17,32 @@ from daemon_harness import DaemonProcess
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-RANK = textwrap.dedent(
+# check(uri, stream, device) -> (tensors seen, names not bit-equal to safetensors' CPU truth)
+CHECK = textwrap.dedent(
     """
-    import json, sys, torch, streamer_client
+    import json, torch
     from safetensors import safe_open
+    def check(uri, stream, device):
+        index = json.load(open(uri + "/model.safetensors.index.json"))["weight_map"]
+        files, bad, n = {}, [], 0
+        for name, t in stream:
+            assert t.device == torch.device(device), t.device
+            shard = index[name]
+            files.setdefault(shard, safe_open(uri + "/" + shard, "pt"))
+            want = files[shard].get_tensor(name)
+            if not torch.equal(t.cpu().reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)):
+                bad.append(name)
+            n += 1
+        return n, bad
+    """
+)
+
+RANK = CHECK + textwrap.dedent(
+    """
+    import sys, streamer_client
     uri, rank, world = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     device = f"cuda:{rank % torch.cuda.device_count()}"
-    index = json.load(open(uri + "/model.safetensors.index.json"))["weight_map"]
-    files, bad, n = {}, [], 0
-    for name, t in streamer_client.stream(uri, rank=rank, world_size=world, device=device):
-        assert t.device == torch.device(device), t.device
-        shard = index[name]
-        files.setdefault(shard, safe_open(uri + "/" + shard, "pt"))
-        want = files[shard].get_tensor(name)
-        if not torch.equal(t.cpu().reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)):
-            bad.append(name)
-        n += 1
+    n, bad = check(uri, streamer_client.stream(uri, rank=rank, world_size=world, device=device), device)
     print(json.dumps({"rank": rank, "n": n, "bad": bad}))
     """
 )
@@ -59,10 +69,9 @@ def big_checkpoint(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_daemon_ranks_on_gpus_byte_exact(big_checkpoint, tmp_path, world):
-    if world > torch.cuda.device_count():
-        pytest.skip(f"needs {world} GPUs")
+    # Rank r copies to cuda:(r mod GPUs): with fewer GPUs than ranks, several ranks share one.
     d = DaemonProcess(tmp_path, {}, "--shm-budget", "1GiB").start()
     try:
         procs = [
@@ -99,6 +108,40 @@ def test_warm_reload_to_gpu_from_the_resident_copy(big_checkpoint, tmp_path):
         total = sum(f.stat().st_size for f in big_checkpoint.glob("*.safetensors"))
         assert 0 < cold["bytes_read"] <= total and cold["bytes_from_memory"] == 0
         assert warm["bytes_read"] == 0 and warm["bytes_from_memory"] == cold["bytes_read"]
+    finally:
+        d.stop()
+    assert list(d.shm_dir.iterdir()) == []
+
+
+RELOAD = CHECK + textwrap.dedent(
+    """
+    import os, sys, streamer_client
+    from streamer_client.segments import segment_maps
+    uri = sys.argv[1]
+    maps = segment_maps(os.environ["STREAMER_SHM_DIR"])
+    out = []
+    for launch in ("cold", "warm"):
+        n, bad = check(uri, streamer_client.stream(uri, device="cuda:0", launch_id=launch), "cuda:0")
+        s = maps.stats
+        out.append({"n": n, "bad": bad, "mapped": s.mapped, "pinned": s.pinned, "reused": s.reused})
+    print(json.dumps(out))
+    """
+)
+
+
+def test_a_reload_in_the_same_process_pins_nothing_again(big_checkpoint, tmp_path):
+    """Pin once per process: the warm reload copies out of the segments the cold load registered."""
+    d = DaemonProcess(tmp_path, {}, "--shm-budget", "1GiB", "--retention-budget", "4GiB").start()
+    try:
+        p = subprocess.run([sys.executable, "-c", RELOAD, str(big_checkpoint)], env=d.rank_env(),
+                           capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert p.returncode == 0, p.stderr[-3000:]
+        cold, warm = json.loads(p.stdout.strip().splitlines()[-1])
+        assert cold["bad"] == [] == warm["bad"] and cold["n"] == warm["n"] == 49, (cold, warm)
+        assert cold["pinned"] > 0
+        assert (warm["mapped"], warm["pinned"]) == (cold["mapped"], cold["pinned"])  # nothing mapped or pinned again
+        assert warm["reused"] - cold["reused"] >= cold["pinned"]
+        assert d.stats()["finished"][-1]["bytes_read"] == 0
     finally:
         d.stop()
     assert list(d.shm_dir.iterdir()) == []

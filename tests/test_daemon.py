@@ -303,8 +303,9 @@ def test_tcp_without_a_token_refuses_to_start(tmp_path):
         [sys.executable, "-m", "streamer_service", "serve", "--socket", str(tmp_path / "s.sock"), "--shm-dir", str(tmp_path), "--tcp-port", "1"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-    assert result.returncode == 1
-    assert "--tcp-port needs a bearer token in STREAMER_TOKEN" in result.stderr
+    assert result.returncode == 2  # a start-up refusal, before anything is bound (issue 14)
+    assert result.stderr == "streamer-service serve: error: --tcp-port needs a bearer token in STREAMER_TOKEN\n"
+    assert not (tmp_path / "s.sock").exists()
 
 
 def test_segments_are_reused_across_sessions_then_trimmed(sample, daemon):
@@ -356,3 +357,30 @@ def test_keeping_borrowed_daemon_tensors_is_refused_not_overwritten(sample, daem
     session = d.stats()["finished"][-1]
     assert session["ranks"]["0"]["status"] == "left"  # it left at once, not reclaimed after a timeout
     assert d.healthy()
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"], indirect=True)
+def test_force_pull_means_the_same_through_the_daemon(backend, sample, daemon, monkeypatch):
+    """Issue 14: pull_metadata sent ``force: None`` to the daemon, so TRTLLM_OBJECT_STORAGE_FORCE_PULL=1
+    returned the stale config while stream() forced a new generation of the weights."""
+    import json
+
+    import streamer_client
+
+    uri = _upload(backend, sample)
+    d = daemon(backend.env)
+    monkeypatch.setenv("STREAMER_SOCKET", str(d.socket))
+    old = streamer_client.pull_metadata(uri, launch_id="launch-1")
+    config = json.loads((old / "config.json").read_text())
+    backend.put("ckpt/config.json", json.dumps({**config, "changed": True}).encode())
+    monkeypatch.setenv("TRTLLM_OBJECT_STORAGE_FORCE_PULL", "1")
+    monkeypatch.setenv("STREAMER_LAUNCH_ID", "launch-2")
+    pulled = streamer_client.pull_metadata(uri)
+    assert json.loads((pulled / "config.json").read_text())["changed"] is True
+    marker = json.loads((pulled / ".runai_complete").read_text())
+    assert marker["launch_id"] == "launch-2"
+    # stream() of the same launch uses that very pull: config and weights of one generation.
+    state = streamer_client.load_state_dict(uri)
+    assert len(state) == len(_catalog(sample))
+    assert json.loads((pulled / ".runai_complete").read_text())["pulled_at"] == marker["pulled_at"]
+    assert d.stats()["finished"][-1]["state"] == "done"

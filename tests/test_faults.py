@@ -205,3 +205,24 @@ def test_in_process_loads_check_object_versions_too(sample, tmp_path):
             got.append(name)
     assert info.value.key == shard and f"{src / shard} changed while it was being loaded" in str(info.value)
     assert 0 < len(got) < len(_names(sample))
+
+
+CREDENTIALS_NAMED = {
+    "s3": "credentials: environment variables AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY; check them",
+    "gcs": "credentials: anonymous (STORAGE_EMULATOR_HOST or no Application Default Credentials); check them",
+}
+
+
+@pytest.mark.parametrize("backend", ["s3", "gcs"], indirect=True)
+def test_refused_credentials_with_a_warm_cache_are_an_access_error_naming_their_source(cloud_daemon, backend, sample):
+    """Issue 14: with metadata and catalog cached, only Run:ai touches storage, and it says
+    "File access error" for a 403: that read as a StorageError pointing at the endpoint settings."""
+    d, uri = cloud_daemon
+    assert finish(d.start_rank(uri, 0, 1, sample, None))["bad"] == []  # warms the cache
+    backend.proxy.fault = lambda r: cloud_error(backend.name, 403, r.method)  # credentials revoked
+    result = finish_failed(d.start_rank(uri, 0, 1, sample, None))
+    error = result["error"]
+    assert error["type"] == "StorageAccessDeniedError", error
+    assert error["message"].startswith("access denied to 'ckpt/model-0000") and CREDENTIALS_NAMED[backend.name] in error["message"]
+    assert result["got"] == [] and result["bad"] == []
+    _clean_after(d)

@@ -13,6 +13,7 @@ import pytest
 from streamer_client import pull_metadata
 from streamer_client.errors import (
     CacheLockTimeoutError,
+    CheckpointError,
     InvalidURIError,
     ObjectNotFoundError,
     StorageAccessDeniedError,
@@ -37,7 +38,18 @@ METADATA = {
     "configuration_custom.py": b"from transformers import PretrainedConfig\n",
     "code/modeling_custom.py": b"# remote code\nX = 1\n",
     "model.safetensors.index.json": b'{"metadata": {}, "weight_map": {}}',
+    "tokenizer.model": b"\x0a\x0bspm",
+    "merges.txt": b"a b\n",
+    "chat_template.jinja": b"{{ messages }}",
+    "original/tokenizer.model": b"\x0a\x0cspm",
+}
+# Neither weights nor anything a loader reads: left in storage (issue 14).
+NOT_PULLED = {
     "README.md": b"# tiny\n",
+    "rank0.engine": b"TRT" * 100,
+    "model.nemo": b"NEMO",
+    "embeddings.npy": b"\x93NUMPY",
+    "optimizer.pkl": b"\x80\x04",
 }
 WEIGHTS = {
     "model-00001-of-00002.safetensors": b"\x08" + b"\x00" * 63,
@@ -58,7 +70,7 @@ def listing(cache_dir: Path) -> dict[str, bytes]:
 
 @pytest.fixture
 def model(backend):
-    backend.put_tree("models/tiny", {**METADATA, **WEIGHTS})
+    backend.put_tree("models/tiny", {**METADATA, **WEIGHTS, **NOT_PULLED})
     # A sibling prefix that shares the name's start must not leak in.
     backend.put_tree("models/tiny-other", {"config.json": b'{"other": true}'})
     return backend.uri("models/tiny")
@@ -68,7 +80,7 @@ def test_pull_brings_metadata_and_no_weights(backend, model):
     cache_dir = pull_metadata(model)
     assert cache_dir == Path(os.environ["STREAMER_CACHE_DIR"]) / parse_uri(model).cache_key
     assert listing(cache_dir) == METADATA
-    for weight in WEIGHTS:
+    for weight in {**WEIGHTS, **NOT_PULLED}:
         assert not (cache_dir / weight).exists()
 
 
@@ -93,7 +105,7 @@ def test_second_pull_touches_no_storage(backend, model):
         assert backend.proxy.count() > 0
         backend.proxy.reset()
     # Remove the source altogether: a pull that looked at storage would now fail.
-    for name in {**METADATA, **WEIGHTS}:
+    for name in {**METADATA, **WEIGHTS, **NOT_PULLED}:
         backend.delete(f"models/tiny/{name}")
     timings = []
     for _ in range(5):
@@ -200,8 +212,8 @@ def test_traversal_keys_refused(backend, key):
 
 def test_file_and_directory_clash_refused(cloud_backend):  # a local dir cannot hold both
     backend = cloud_backend
-    backend.put_tree("m", {"config.json": b"{}", "code": b"a file", "code/x.py": b"X = 1"})
-    with pytest.raises(UnsafeKeyError, match="'code'.*another key uses it as a directory"):
+    backend.put_tree("m", {"config.json": b"{}", "tokenizer": b"a file", "tokenizer/x.py": b"X = 1"})
+    with pytest.raises(UnsafeKeyError, match="'tokenizer'.*another key uses it as a directory"):
         pull_metadata(backend.uri("m"))
 
 
@@ -220,6 +232,8 @@ def test_missing_bucket(cloud_backend):
     with pytest.raises(ObjectNotFoundError) as info:
         pull_metadata(uri)
     assert "'no-such-bucket-here'" in str(info.value) and uri in str(info.value)
+    word = "container" if cloud_backend.name == "azure" else "bucket"  # issue 14: Azure's are containers
+    assert str(info.value).startswith(f"{word} 'no-such-bucket-here' does not exist")
 
 
 def test_empty_prefix(backend):
@@ -281,3 +295,56 @@ def test_marker_reader_rejects_garbage(tmp_path):
     assert Marker.read(tmp_path) is None
     (tmp_path / MARKER).write_text(json.dumps({"version": 99}))
     assert Marker.read(tmp_path) is None
+
+
+# --- what is pulled, and how much (issue 14) ------------------------------------------------------
+
+
+def test_only_what_loaders_read_is_pulled_and_patterns_add_more(backend, model, monkeypatch):
+    cache_dir = pull_metadata(model)
+    assert listing(cache_dir) == METADATA
+    assert {f["name"] for f in json.loads((cache_dir / MARKER).read_text())["files"]} == set(METADATA)
+    monkeypatch.setenv("STREAMER_METADATA_PATTERNS", "*.md, *.npy")
+    again = MetadataCache(Settings()).pull(model, force=True, launch_id="with-patterns")
+    assert listing(again) == {**METADATA, "README.md": NOT_PULLED["README.md"], "embeddings.npy": NOT_PULLED["embeddings.npy"]}
+
+
+def test_a_metadata_file_over_the_cap_fails_naming_it_before_any_download(backend):
+    backend.put_tree("m", {"config.json": b"{}", "tokenizer.json": b"x" * 5000})
+    uri = backend.uri("m")
+    with pytest.raises(CheckpointError) as info:
+        MetadataCache(Settings(metadata_max_file_bytes=4096)).pull(uri)
+    assert str(info.value) == (
+        f"refusing to pull 'tokenizer.json' of {parse_uri(uri).normalized}: 5000 bytes is over the per-file limit "
+        "of 4096 bytes (STREAMER_METADATA_MAX_FILE_BYTES); raise it if a loader needs this file"
+    )
+    assert info.value.key == "tokenizer.json"
+    with pytest.raises(CheckpointError, match=r"2 files of 5002 bytes are over the limit of 5000 bytes \(STREAMER_METADATA_MAX_TOTAL_BYTES\); the largest is 'tokenizer.json'"):
+        MetadataCache(Settings(metadata_max_total_bytes=5000)).pull(uri)
+    _assert_nothing_left(backend, uri, Path(os.environ["STREAMER_CACHE_DIR"]))
+    if backend.proxy is not None:  # refused from the listing: no object was downloaded
+        assert not [r for r in backend.proxy.requests if r.method == "GET" and "tokenizer.json" in r.path]
+
+
+def test_a_forced_pull_skipped_in_the_same_launch_says_so(backend, model, caplog):
+    pull_metadata(model)
+    with caplog.at_level(logging.INFO, logger="streamer_service.metadata"):
+        pull_metadata(model, force=True)  # same parent process as the first pull: the same launch
+        pull_metadata(model, force=True, launch_id="job-7")  # a new launch: pulls, then skips
+        pull_metadata(model, force=True, launch_id="job-7")
+    skips = [r.getMessage() for r in caplog.records if "forced pull of" in r.getMessage()]
+    ppid = os.getppid()
+    assert len(skips) == 2, skips
+    assert f"launch ppid-{ppid}-" in skips[0] and f"(from the parent process {ppid} (no STREAMER_LAUNCH_ID or torchrun)" in skips[0]
+    assert skips[1].startswith(f"forced pull of {parse_uri(model).normalized} skipped: launch job-7 (given explicitly")
+    assert "set STREAMER_LAUNCH_ID to a new value to pull again" in skips[1]
+
+
+@pytest.mark.parametrize("backend", ["s3", "azure"], indirect=True)
+def test_a_uri_naming_one_object_says_so(backend):
+    backend.put_tree("m", {"config.json": b"{}", "model.safetensors": b"\x00" * 16})
+    uri = backend.uri("m/model.safetensors")
+    with pytest.raises(ObjectNotFoundError) as info:
+        pull_metadata(uri)
+    parent = parse_uri(backend.uri("m")).normalized
+    assert str(info.value) == f"{parse_uri(uri).normalized} names one object, not a checkpoint: give the prefix it is under, {parent}"

@@ -146,3 +146,53 @@ def test_no_secret_in_logs_or_responses_and_no_path_outside_cache_or_shm(backend
     named = [p for body in bodies for p in paths(body)]
     assert named  # readyz names the shm dir, metadata the cache dir
     assert [p for p in named if not (p.is_relative_to(cache) or p.is_relative_to(shm))] == []
+
+
+def test_symlinks_out_of_an_allowed_dir_are_refused_naming_the_entry(sample, tmp_path):
+    """Issue 14: --allow was checked on the URI only; a symlink inside an allowed dir made the daemon
+    copy any file it could read into the shared cache, and header errors echoed its first 8 bytes."""
+    secret_dir = tmp_path / "secrets"
+    secret_dir.mkdir()
+    secret = secret_dir / "token"
+    secret.write_bytes(b"SECRETSS" + b"x" * 64)
+    allowed = tmp_path / "models"
+    allowed.mkdir()
+    cases = {
+        "config": ("config.json", secret),  # a metadata file linked out
+        "shard": ("model-00002-of-00002.safetensors", secret),  # a shard whose header would be read
+        "dir": ("extra", secret_dir),  # a linked directory
+    }
+    for case, (entry, target) in cases.items():
+        d = allowed / case
+        subprocess.run(["cp", "-r", str(sample), str(d)], check=True)
+        (d / entry).unlink(missing_ok=True)
+        (d / entry).symlink_to(target)
+    inside = allowed / "inside"  # a link that stays inside the allowed prefix is fine (HF cache snapshots)
+    subprocess.run(["cp", "-r", str(sample), str(inside)], check=True)
+    (allowed / "blob.json").write_text('{"model_type": "linked"}')
+    (inside / "config.json").unlink()
+    (inside / "config.json").symlink_to(allowed / "blob.json")
+    d = DaemonProcess(tmp_path, {}, "--allow", str(allowed)).start()
+    try:
+        with d.client() as c:
+            for case, (entry, _) in cases.items():
+                for r in (
+                    c.post("/v1/metadata", json={"uri": str(allowed / case)}),
+                    c.post("/v1/sessions/join", json={"uri": str(allowed / case), "session": case, "rank": 0, "world_size": 1}),
+                ):
+                    assert r.status_code == 403, (case, r.text)
+                    error = r.json()["error"]
+                    assert error["type"] == "StorageAccessDeniedError" and error["key"] == entry, (case, error)
+                    assert f"refusing {entry!r} under {allowed / case}: it resolves outside every --allow prefix" in error["message"]
+                    assert "SECRET" not in r.text and str(int.from_bytes(b"SECRETSS", "little")) not in r.text
+            reply = c.post("/v1/metadata", json={"uri": str(inside)})
+            assert reply.status_code == 200, reply.text
+            assert json.loads((Path(reply.json()["path"]) / "config.json").read_text()) == {"model_type": "linked"}
+        # The secret was copied nowhere: not into the cache, not into shared memory.
+        cache = tmp_path / "cache"
+        assert not [p for p in cache.rglob("*") if p.is_file() and b"SECRETSS" in p.read_bytes()]
+        assert leftovers(d, cache) == ([], [])
+        assert b"SECRETSS" not in d.log.read_bytes()
+        assert d.healthy()
+    finally:
+        d.stop()

@@ -59,3 +59,28 @@ def test_client_public_surface():
     assert set(streamer_client.__all__) >= {"pull_metadata", "errors", "StreamerError"}
     for name in streamer_client.__all__:
         assert hasattr(streamer_client, name)
+
+
+def test_allow_and_patterns_take_plain_lists(monkeypatch):
+    """Issue 14: STREAMER_ALLOW needed a JSON list; a plain one failed with a pydantic dump."""
+    monkeypatch.setenv("STREAMER_ALLOW", "s3://bucket/models/, gs://other/m  az://cont/x")
+    monkeypatch.setenv("STREAMER_METADATA_PATTERNS", "*.md")
+    assert Settings().allow == ["s3://bucket/models/", "gs://other/m", "az://cont/x"]
+    assert Settings().metadata_patterns == ["*.md"]
+    monkeypatch.setenv("STREAMER_ALLOW", '["s3://bucket/a"]')
+    assert Settings().allow == ["s3://bucket/a"]
+
+
+def test_a_budget_below_one_slot_is_refused_naming_the_variable(monkeypatch):
+    from pydantic import ValidationError
+
+    from streamer_service.settings import describe_invalid
+
+    monkeypatch.setenv("STREAMER_SHM_BUDGET", "1")
+    with pytest.raises(ValidationError) as info:
+        Settings()
+    assert describe_invalid(info.value) == (
+        "STREAMER_SHM_BUDGET='1': Value error, a budget of 1 bytes is below one slot (65536 bytes = 64KiB); give e.g. 4GiB"
+    )
+    monkeypatch.setenv("STREAMER_SHM_BUDGET", "64KiB")
+    assert int(Settings().shm_budget) == 65536

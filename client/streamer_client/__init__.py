@@ -26,7 +26,7 @@ from .request import StreamRequest
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["pull_metadata", "stream", "load_state_dict", "errors", "StreamerError", "StreamRequest", "__version__"]
+__all__ = ["pull_metadata", "stream", "load_state_dict", "errors", "StreamerError", "__version__"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,9 @@ def pull_metadata(
     client = _daemon(None)
     if client is not None:
         with contextlib.closing(client):
+            # The rank's TRTLLM_OBJECT_STORAGE_FORCE_PULL, as stream() sends it: the daemon's
+            # environment is not the rank's (issue 14: a forced stream() with a stale config).
+            force = _config.client_config().force_pull if force is None else force
             body = {"uri": os.fspath(uri), "force": force, "launch_id": launch_id or _launch_id()}
             return Path(client.call("/v1/metadata", body, read_timeout=None)["path"])
     from ._embedded import service, settings
@@ -66,24 +69,34 @@ def _launch_id() -> str:
     return resolve_launch_id(None, cfg.launch_id, cfg.torchelastic_run_id)
 
 
-def _daemon(socket: str | os.PathLike | None):
-    """A client for the configured daemon, or None (in-process mode, logged once)."""
+def _daemon(socket: str | os.PathLike | None, require: bool = False):
+    """A client for the daemon (``socket``, ``STREAMER_SOCKET`` or ``DEFAULT_SOCKET``), or None:
+    in-process mode, logged once. ``require`` (or ``STREAMER_REQUIRE_DAEMON=1``): none is an error."""
     global _said_embedded
     cfg = _config.client_config()
-    path = socket if socket is not None else cfg.socket
-    if path is not None:
+    configured = socket if socket is not None else cfg.socket
+    path = configured if configured is not None else _config.DEFAULT_SOCKET
+    require = require or cfg.require_daemon
+    if configured is not None or require or os.path.exists(path):
         from .daemon import DaemonClient
 
         client = DaemonClient(path, connect_timeout_s=cfg.connect_timeout_s, token=cfg.token)
         if client.reachable():
             return client
         client.close()
+    if require:
+        from .errors import DaemonError
+
+        raise DaemonError(
+            f"no streamer daemon answers at {path}, and STREAMER_REQUIRE_DAEMON=1 (or require_daemon=True) "
+            "forbids loading in-process: start `streamer-service serve` or point STREAMER_SOCKET at it"
+        )
     if not _said_embedded:
         _said_embedded = True
-        if path is not None:
+        if configured is not None:
             log.warning("no streamer daemon answers at %s; loading in-process instead", path)
         else:
-            log.info("no streamer daemon configured (STREAMER_SOCKET); loading in-process")
+            log.info("no streamer daemon at %s (STREAMER_SOCKET unset); loading in-process", path)
     return None
 
 
@@ -108,6 +121,7 @@ def stream(
     launch_id: str | None = None,
     session: str | None = None,
     progress: bool = False,
+    require_daemon: bool = False,
 ) -> Iterator[tuple[str, "torch.Tensor"]]:
     """Stream the tensors of checkpoint ``uri``: ``(name, tensor)`` in checkpoint order.
 
@@ -125,8 +139,10 @@ def stream(
     ranks' selections once. ``session`` names the ranks' shared load (default: the
     launch id and the URI). Without a daemon this process reads its own selection.
 
-    The daemon is found through ``socket`` or ``STREAMER_SOCKET``; with none
-    reachable this runs in-process (and says so once in the log).
+    The daemon is found through ``socket``, ``STREAMER_SOCKET`` or the default socket
+    (``/run/streamer/daemon.sock``); with none reachable this runs in-process (and says so once
+    in the log), unless ``require_daemon=True`` or ``STREAMER_REQUIRE_DAEMON=1``: then it raises
+    ``DaemonError`` instead of reading storage itself.
 
     ``progress=True`` draws a bar of this rank's bytes and GB/s on stderr, following
     ``STREAMER_PROGRESS`` (``auto``: only on a terminal). It needs tqdm, which this package does
@@ -146,7 +162,7 @@ def stream(
         budget=budget,
         cache_dir=Path(cache_dir) if cache_dir is not None else None,
     )
-    client = _daemon(socket)
+    client = _daemon(socket, require_daemon)
     if client is not None:
         from .daemon import daemon_stream
 

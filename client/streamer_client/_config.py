@@ -11,15 +11,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+DEFAULT_SOCKET = Path("/run/streamer/daemon.sock")
+"""Where ``serve`` listens and ranks look for the daemon when ``STREAMER_SOCKET`` is unset: one
+default for the daemon, the client, ``health``, the docs and the manifests (issue 14)."""
+
+
 @dataclass(frozen=True)
 class ClientConfig:
-    socket: Path | str | None  # a unix socket path, or tcp://127.0.0.1:PORT
+    socket: Path | str | None  # a unix socket path, or tcp://127.0.0.1:PORT; None: DEFAULT_SOCKET
     shm_dir: Path | None  # STREAMER_SHM_DIR; None: where the daemon says its segments are
     launch_id: str | None
     torchelastic_run_id: str | None
     connect_timeout_s: float
     token: str | None
     force_pull: bool | None  # None: unset here, the daemon's own setting applies
+    require_daemon: bool  # STREAMER_REQUIRE_DAEMON: no daemon is an error, not in-process mode
     progress: str  # STREAMER_PROGRESS: auto | on | off (see progress.py)
 
 
@@ -35,6 +41,7 @@ def client_config() -> ClientConfig:
         token=env.get("STREAMER_TOKEN") or None,
         force_pull=_flag(env.get("TRTLLM_OBJECT_STORAGE_FORCE_PULL") or env.get("STREAMER_FORCE_PULL")),
         progress=(env.get("STREAMER_PROGRESS") or "auto").lower(),
+        require_daemon=bool(_flag(env.get("STREAMER_REQUIRE_DAEMON"))),
     )
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["resolve_launch_id", "process_launch_id"]
+__all__ = ["resolve_launch_id", "process_launch_id", "launch_origin"]
 
 
 def _start_ticks(pid: int) -> str:
@@ -43,3 +43,17 @@ def resolve_launch_id(
     if torchelastic_run_id and torchelastic_run_id != "none":
         return f"torchelastic-{torchelastic_run_id}"
     return fallback or process_launch_id(os.getppid())
+
+
+def launch_origin(launch_id: str) -> str:
+    """How ``launch_id`` was derived, read from its form (the daemon gets only the id from a rank)."""
+    if launch_id.startswith("torchelastic-"):
+        return "from TORCHELASTIC_RUN_ID (torchrun)"
+    if launch_id.startswith("ppid-"):
+        return (
+            f"from the parent process {launch_id.split('-')[1]} (no STREAMER_LAUNCH_ID or torchrun): "
+            "processes started by one shell share it"
+        )
+    if launch_id.startswith("cli-"):
+        return "this CLI invocation"
+    return "given explicitly (STREAMER_LAUNCH_ID or launch_id=)"

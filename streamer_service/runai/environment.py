@@ -20,6 +20,7 @@ from ..uri import Scheme, StorageURI
 
 __all__ = [
     "ENVIRONMENT",
+    "OBJECT_STORE",
     "FS_STRATEGY_ENV",
     "READ_PARALLELISM_DEFAULTS",
     "ProcessEnvironment",
@@ -127,13 +128,42 @@ class ProcessEnvironment:
 ENVIRONMENT = ProcessEnvironment()
 
 
+class ObjectStoreInUse:
+    """The object store Run:ai has read from in this process: 0.17.0 keeps per-process state per
+    store, and a load from a second one fails every range with FILE_ACCESS_ERROR (measured here,
+    S3 then GCS and GCS then S3, in-process and in one daemon: tests/test_client.py)."""
+
+    def __init__(self) -> None:
+        self.scheme: str | None = None
+
+    def note(self, path: str) -> None:
+        scheme, sep, _ = path.partition("://")
+        if sep and self.scheme is None:
+            self.scheme = scheme
+
+    def check(self, uri: StorageURI) -> None:
+        if uri.is_local or self.scheme in (None, uri.scheme.value):
+            return
+        raise ConfigError(
+            f"cannot stream {uri}: this process already streamed from {self.scheme}:// and Run:ai 0.17.0 "
+            f"keeps per-process state per object store, so every {uri.scheme.value}:// read would fail; "
+            "run one daemon (or rank process) per object store",
+            uri=uri.normalized,
+        )
+
+
+OBJECT_STORE = ObjectStoreInUse()
+
+
 def check_credentials(uri: StorageURI, settings: Settings) -> None:
-    """Refuse, before any read, a configuration Run:ai's reader cannot use.
+    """Refuse, before any read, a configuration Run:ai's reader cannot use: a second object store in
+    this process (:class:`ObjectStoreInUse`), or Azure without an account name.
 
     Run:ai's Azure reader reads ``AZURE_STORAGE_ACCOUNT_NAME`` (with a key, a SAS token or
     workload identity) and ignores ``AZURE_STORAGE_CONNECTION_STRING``: with only a connection
     string every range would fail with "invalid parameters" after the listing succeeded.
     """
+    OBJECT_STORE.check(uri)
     if uri.scheme is Scheme.AZURE and not settings.azure_storage_account_name:
         raise ConfigError(
             f"streaming {uri} needs AZURE_STORAGE_ACCOUNT_NAME (with AZURE_STORAGE_ACCOUNT_KEY, "

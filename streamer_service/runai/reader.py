@@ -42,7 +42,7 @@ from streamer_client.errors import (
 )
 
 from .contract import FS_STRATEGY_SYMBOL, load_native
-from .environment import ENVIRONMENT, FS_STRATEGY_ENV
+from .environment import ENVIRONMENT, FS_STRATEGY_ENV, OBJECT_STORE
 
 __all__ = [
     "BUFFERED_FS_STRATEGY",
@@ -252,6 +252,7 @@ class NativeReader:
             [r.dst for f in files for r in f.ranges],
         )
         self._live[submission] = _Submission(files, keepalive, sum(len(f.ranges) for f in files))
+        OBJECT_STORE.note(files[0].path)
         return submission
 
     def responses(self) -> Iterator[RangeResult]:
@@ -351,5 +352,3 @@ def _apply_fs_strategy(native: ModuleType, streamer: Any, candidates: str) -> No
         text = native.runai_response_str(code)
         text = text.decode("utf-8", "replace") if isinstance(text, bytes) else str(text)
         raise ConfigError(f"Run:ai refused filesystem strategy {candidates!r}: {text}")
-
-

@@ -32,6 +32,7 @@ class AzureStorage(Storage):
             connection_timeout=settings.storage_connect_timeout_s,
             read_timeout=settings.storage_read_timeout_s,
         )
+        self._settings = settings
         self._service = _service_client(uri, settings, options)
         self._container = self._service.get_container_client(uri.bucket)
 
@@ -49,7 +50,10 @@ class AzureStorage(Storage):
         else:
             kind = Failure.OTHER
         detail = f"{type(exc).__name__}: {code or ''} {str(exc).splitlines()[0] if str(exc) else ''}".strip()
-        return storage_error(kind, uri=self.uri.normalized, bucket=self.uri.bucket, key=key, detail=detail)
+        credentials = _credentials_source(self._settings) if kind is Failure.DENIED else ""
+        return storage_error(
+            kind, uri=self.uri.normalized, bucket=self.uri.bucket, key=key, detail=detail, container=True, credentials=credentials
+        )
 
     def _list_keys(self, prefix: str) -> Iterator[tuple[str, int, str]]:
         try:
@@ -91,6 +95,16 @@ class AzureStorage(Storage):
 
     def close(self) -> None:
         self._service.close()
+
+
+def _credentials_source(settings: Settings) -> str:
+    if settings.azure_storage_connection_string is not None:
+        return "AZURE_STORAGE_CONNECTION_STRING"
+    if settings.azure_storage_account_key is not None:
+        return "AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_ACCOUNT_KEY"
+    if settings.azure_storage_sas_token is not None:
+        return "AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_SAS_TOKEN"
+    return "AZURE_STORAGE_ACCOUNT_NAME without a key or SAS token (anonymous)"
 
 
 def _service_client(uri: StorageURI, settings: Settings, options: dict) -> BlobServiceClient:

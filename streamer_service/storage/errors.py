@@ -26,17 +26,23 @@ class Failure(enum.Enum):
     OTHER = "other"
 
 
-def storage_error(kind: Failure, *, uri: str, bucket: str, key: str | None, detail: str) -> StorageError:
-    """The error to raise for a failed request on ``key`` (None: a listing) of ``uri``."""
+def storage_error(
+    kind: Failure, *, uri: str, bucket: str, key: str | None, detail: str, container: bool = False, credentials: str = ""
+) -> StorageError:
+    """The error to raise for a failed request on ``key`` (None: a listing) of ``uri``.
+
+    ``container``: the storage calls its buckets containers (Azure); ``credentials``: where the
+    credentials in use came from, named in an access-denied message.
+    """
     what = f"{key!r} of {uri}" if key is not None else uri
     if kind is Failure.NO_BUCKET:
-        return ObjectNotFoundError(f"bucket or container {bucket!r} does not exist ({uri}): {detail}", uri=uri, key=key)
+        word = "container" if container else "bucket"
+        return ObjectNotFoundError(f"{word} {bucket!r} does not exist ({uri}): {detail}", uri=uri, key=key)
     if kind is Failure.NO_KEY:
         return ObjectNotFoundError(f"object {what} does not exist: {detail}", uri=uri, key=key)
     if kind is Failure.DENIED:
-        return StorageAccessDeniedError(
-            f"access denied to {what}: {detail} (check the credentials for this storage)", uri=uri, key=key
-        )
+        source = f"credentials: {credentials}; check them" if credentials else "check the credentials for this storage"
+        return StorageAccessDeniedError(f"access denied to {what}: {detail} ({source})", uri=uri, key=key)
     if kind is Failure.UNAVAILABLE:
         return StorageUnavailableError(
             f"storage endpoint unreachable or too slow for {what}: {detail} (check the endpoint setting)",

@@ -58,7 +58,20 @@ class GCSStorage(Storage):
         else:
             kind = Failure.OTHER
         detail = getattr(exc, "message", None) or str(exc)
-        return storage_error(kind, uri=self.uri.normalized, bucket=self.uri.bucket, key=key, detail=f"{type(exc).__name__}: {detail}")
+        credentials = self._credentials_source() if kind is Failure.DENIED else ""
+        return storage_error(
+            kind, uri=self.uri.normalized, bucket=self.uri.bucket, key=key, detail=f"{type(exc).__name__}: {detail}", credentials=credentials
+        )
+
+    def _credentials_source(self) -> str:
+        """The Application Default Credentials the client holds, by kind (and account, where known)."""
+        found = getattr(self._client, "_credentials", None)
+        kind = type(found).__name__
+        if kind == "AnonymousCredentials":
+            return "anonymous (STORAGE_EMULATOR_HOST or no Application Default Credentials)"
+        account = getattr(found, "service_account_email", None)
+        where = f"{type(found).__module__}.{kind}"
+        return f"Application Default Credentials, {where}" + (f" for {account}" if account and account != "default" else "")
 
     def _list_keys(self, prefix: str) -> Iterator[tuple[str, int, str]]:
         try:

@@ -6,10 +6,10 @@ import os
 import stat as stat_mod
 from typing import BinaryIO
 
-from streamer_client.errors import ObjectChangedError, ObjectNotFoundError, StorageAccessDeniedError
+from streamer_client.errors import InvalidURIError, ObjectChangedError, ObjectNotFoundError, StorageAccessDeniedError
 
 from ..settings import Settings
-from ..uri import StorageURI
+from ..uri import Scheme, StorageURI, parse_uri
 from .base import ObjectInfo, Storage
 
 _CHUNK = 8 * 1024 * 1024
@@ -21,14 +21,47 @@ def _version(st: os.stat_result) -> str:
 
 class LocalStorage(Storage):
     """Files under a directory. Symlinks to regular files are followed: a Hugging Face cache
-    snapshot is a tree of symlinks into ``blobs/``."""
+    snapshot is a tree of symlinks into ``blobs/``.
+
+    With ``--allow`` prefixes (``settings.allow``), every path is resolved before it is used and
+    one that leaves them (a symlinked file or directory pointing elsewhere) is refused, naming the
+    entry: the prefix check on the URI alone let a symlink in an allowed dir make the daemon copy
+    any file it can read into the shared cache (issue 14). Opened files are checked by the path
+    the kernel opened, so a link swapped after the check is caught too.
+    """
 
     def __init__(self, uri: StorageURI, settings: Settings | None = None) -> None:
         super().__init__(uri)
         self.root = uri.prefix
+        self._fence = _fence(settings)
 
     def _path(self, name: str) -> str:
         return os.path.join(self.root, *name.split("/"))
+
+    def _inside(self, real: str) -> bool:
+        return self._fence is None or any(real == top or real.startswith(top.rstrip("/") + "/") for top in self._fence)
+
+    def _refuse(self, name: str) -> StorageAccessDeniedError:
+        return StorageAccessDeniedError(
+            f"refusing {name!r} under {self.root}: it resolves outside every --allow prefix "
+            "(a symlink or '..' leading out of them)",
+            uri=self.root,
+            key=name,
+        )
+
+    def _check(self, name: str, path: str) -> None:
+        if self._fence is not None and not self._inside(os.path.realpath(path)):
+            raise self._refuse(name)
+
+    def _check_open(self, name: str, fd: int) -> None:
+        """The file behind ``fd`` (what the kernel opened, after every link) is inside the fence."""
+        if self._fence is not None:
+            try:
+                real = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                real = os.path.realpath(self._path(name))
+            if not self._inside(real):
+                raise self._refuse(name)
 
     def list_objects(self) -> list[ObjectInfo]:
         if not os.path.isdir(self.root):
@@ -36,15 +69,20 @@ class LocalStorage(Storage):
         found: list[ObjectInfo] = []
         for dirpath, dirnames, filenames in os.walk(self.root, onerror=self._walk_error):
             dirnames.sort()
+            for dirname in dirnames:  # os.walk does not descend into linked dirs; refuse the escaping ones
+                link = os.path.join(dirpath, dirname)
+                if os.path.islink(link):
+                    self._check(os.path.relpath(link, self.root).replace(os.sep, "/"), link)
             for filename in filenames:
                 path = os.path.join(dirpath, filename)
+                name = os.path.relpath(path, self.root).replace(os.sep, "/")
                 try:
                     st = os.stat(path)
                 except FileNotFoundError:  # dangling symlink: not an object
                     continue
+                self._check(name, path)
                 if not stat_mod.S_ISREG(st.st_mode):
                     continue
-                name = os.path.relpath(path, self.root).replace(os.sep, "/")
                 found.append(ObjectInfo(name=name, size=st.st_size, etag=_version(st)))
         found.sort(key=lambda o: o.name)
         return found
@@ -55,16 +93,19 @@ class LocalStorage(Storage):
         raise exc
 
     def stat(self, name: str) -> ObjectInfo:
+        path = self._path(name)
         try:
-            st = os.stat(self._path(name))
+            st = os.stat(path)
         except FileNotFoundError:
             raise ObjectNotFoundError(f"{self.uri.child(name)} does not exist", uri=self.root, key=name) from None
+        self._check(name, path)
         return ObjectInfo(name=name, size=st.st_size, etag=_version(st))
 
     def download(self, obj: ObjectInfo, dest: BinaryIO) -> int:
         path = self._path(obj.name)
         try:
             with open(path, "rb") as src:
+                self._check_open(obj.name, src.fileno())
                 if _version(os.fstat(src.fileno())) != obj.etag:
                     raise ObjectChangedError(f"{path} changed since it was listed", uri=self.root, key=obj.name)
                 written = 0
@@ -81,6 +122,22 @@ class LocalStorage(Storage):
         path = self._path(name)
         try:
             with open(path, "rb") as src:
+                self._check_open(name, src.fileno())
                 return os.pread(src.fileno(), length, offset)
         except FileNotFoundError:
             raise ObjectNotFoundError(f"{path} does not exist", uri=self.root, key=name) from None
+
+
+def _fence(settings: Settings | None) -> list[str] | None:
+    """The resolved local ``--allow`` prefixes every opened path must stay under; None: no fence."""
+    if settings is None or not settings.allow:
+        return None
+    tops = []
+    for prefix in settings.allow:
+        try:
+            parsed = parse_uri(prefix)
+        except InvalidURIError:
+            continue  # a local prefix that does not exist holds nothing to read
+        if parsed.scheme is Scheme.LOCAL:
+            tops.append(parsed.prefix)
+    return tops

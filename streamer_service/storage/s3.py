@@ -42,6 +42,17 @@ _BODY_ERRORS = (
     bexc.ConnectionClosedError,
 )
 _T = TypeVar("_T")
+# botocore's credential provider ``method`` names, as an operator would look for them.
+_CREDENTIAL_METHODS = {
+    "env": "environment variables AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY",
+    "shared-credentials-file": "the shared credentials file (AWS_SHARED_CREDENTIALS_FILE, ~/.aws/credentials)",
+    "config-file": "the AWS config file (AWS_CONFIG_FILE, ~/.aws/config)",
+    "assume-role": "an assumed role from the AWS config file",
+    "assume-role-with-web-identity": "a web identity token (AWS_WEB_IDENTITY_TOKEN_FILE, e.g. EKS IRSA)",
+    "container-role": "the container credentials endpoint (ECS, EKS Pod Identity)",
+    "iam-role": "the EC2 instance role (instance metadata)",
+    "sso": "AWS SSO (the AWS config file)",
+}
 
 
 class S3Storage(Storage):
@@ -53,7 +64,8 @@ class S3Storage(Storage):
             read_timeout=settings.storage_read_timeout_s,
             s3={"addressing_style": settings.s3_addressing_style},
         )
-        self._client = boto3.session.Session().client("s3", config=config)
+        self._session = boto3.session.Session()
+        self._client = self._session.client("s3", config=config)
         self._bucket = uri.bucket
         self._retries = settings.storage_retries
 
@@ -88,7 +100,18 @@ class S3Storage(Storage):
                 kind = Failure.OTHER
         else:
             kind, detail = Failure.OTHER, f"{type(exc).__name__}: {exc}"
-        return storage_error(kind, uri=self.uri.normalized, bucket=self._bucket, key=key, detail=detail)
+        credentials = self._credentials_source() if kind is Failure.DENIED else ""
+        return storage_error(kind, uri=self.uri.normalized, bucket=self._bucket, key=key, detail=detail, credentials=credentials)
+
+    def _credentials_source(self) -> str:
+        """Where boto3 found the credentials it signed with (botocore's provider ``method``)."""
+        try:
+            found = self._session.get_credentials()
+        except bexc.BotoCoreError:
+            found = None
+        if found is None:
+            return "none found (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, a web identity or an instance role)"
+        return _CREDENTIAL_METHODS.get(found.method, f"botocore provider {found.method!r}")
 
     def _list_keys(self, prefix: str) -> Iterator[tuple[str, int, str]]:
         try:

@@ -1,4 +1,12 @@
-"""vLLM-style weights: ``model.load_weights(weights_iterator(uri, rank=..., world_size=...))``.
+"""vLLM: the load format ``streamer`` (registered by :func:`register`) and ``weights_iterator``.
+
+``pip install streamer-client`` next to vLLM is all it takes: the distribution declares
+:func:`register` as a ``vllm.general_plugins`` entry point, which vLLM runs in every process, so
+``vllm serve s3://bucket/model --load-format streamer`` and
+``LLM(model="s3://...", load_format="streamer")`` work (the loader: :mod:`.vllm_loader`). This
+module itself imports no vLLM: the client installs and imports without it.
+
+``weights_iterator`` is what the loader streams through, for a model's ``load_weights``.
 
 vLLM's own loaders (``safetensors_weights_iterator``, ``runai_safetensors_weights_iterator``)
 yield every tensor of the checkpoint as ``(name, tensor)`` on the CPU, and each tensor-parallel
@@ -20,7 +28,18 @@ from .. import stream
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["weights_iterator"]
+__all__ = ["LOAD_FORMAT", "register", "weights_iterator"]
+
+LOAD_FORMAT = "streamer"
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: registers the ``streamer`` load format.
+
+    vLLM calls it in its front end and in each worker, possibly more than once per process; the
+    import does the work once.
+    """
+    from . import vllm_loader  # noqa: F401  (registers on import)
 
 
 def weights_iterator(

@@ -1,0 +1,302 @@
+"""Daemon segment files, mapped and page-locked once per process and reused across loads.
+
+A rank that maps the daemon's shared-memory segments pays twice per segment: the mapping
+(page-table entries for every page) and, for CUDA targets, ``cudaHostRegister`` (measured on an
+H200 host: 0.05 s/GiB on 4 KiB ``/dev/shm`` pages, 0.018 s/GiB on a huge-page tmpfs, i.e. slower
+than the 55 GB/s copy that follows it; docs/benchmarks.md). Both are paid once per process here:
+a reload served from the daemon's resident copy, and a load whose ring segments the daemon kept
+idle from the last one, reuse the mapping and the registration as they are.
+
+Identity. A segment is reused only while the path still names the file we mapped: the daemon names
+each one ``streamer-<pid>-<instance token>-<n>`` and never gives a name twice, and a cached entry is
+checked against ``os.stat`` of its path (``st_dev``, ``st_ino``, ``st_size``) before each load uses
+it. Our mapping holds the inode, so its number cannot be given to another file while we hold it: a
+segment the daemon unlinked, or unlinked and replaced under the same name, never matches.
+
+No leaks. A mapping of an unlinked file keeps its memory alive, so :meth:`SegmentMaps.sweep` unmaps
+(and unpins) every idle entry whose file is gone. It runs when a load starts and ends, and from a
+janitor thread every ``SWEEP_S`` seconds while idle entries are kept: a rank holds memory the daemon
+gave back (session ended, resident copy evicted, daemon restarted) for at most that long.
+
+Overlap. Registration runs on one worker thread, in the order the segments were announced
+(:meth:`Load.prepare`), so the next segment is page-locked while the copies out of the current one
+run (the copy engine is not slowed by it; measured). A copy waits only for its own segment.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import mmap
+import os
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .errors import DaemonError
+
+__all__ = ["Load", "MappedSegment", "SegmentMaps", "map_segment", "segment_maps"]
+
+log = logging.getLogger(__name__)
+
+SWEEP_S = 2.0  # how long a rank may keep mapping a segment the daemon unlinked
+
+
+def map_segment(path: Path, *, private: bool = False, populate: bool = False) -> tuple[mmap.mmap, tuple[int, int, int]]:
+    """Map a segment file read-only (``private``: copy-on-write, writable); ``(mapping, identity)``."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise DaemonError(
+            f"shared-memory segment {path} not found: the daemon and this process must share "
+            "STREAMER_SHM_DIR (in Kubernetes, one emptyDir volume mounted in both containers)"
+        ) from None
+    try:
+        st = os.fstat(fd)
+        if private:
+            # Borrowed views are handed to user code: a careless write stays in this process
+            # instead of crashing on a read-only page. (Never populated: that would copy every page.)
+            mapping = mmap.mmap(fd, st.st_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        else:
+            # MAP_POPULATE for CPU copies: the page tables in one call instead of a fault per page.
+            # Not before a CUDA registration, which faults the pages in itself (populating first
+            # made map + register 0.23 s instead of 0.20 s for 4 GB of 4 KiB pages on an H200 host).
+            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+            mapping = mmap.mmap(fd, st.st_size, flags=flags, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    return mapping, (st.st_dev, st.st_ino, st.st_size)
+
+
+def _current(device) -> contextlib.AbstractContextManager:
+    if device is None or getattr(device, "type", "cuda") != "cuda":  # tests over a fake runtime
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.cuda.device(device)
+
+
+def _identity(path: Path) -> tuple[int, int, int] | None:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size
+
+
+@dataclass(eq=False)
+class MappedSegment:
+    name: str
+    path: Path
+    identity: tuple[int, int, int]
+    mapping: mmap.mmap
+    array: np.ndarray
+    users: int = 0  # loads using it now; only idle entries are swept
+    pinning: Future | None = None  # the registration, once asked for (result: page-locked or not)
+
+    @property
+    def address(self) -> int:
+        return self.array.ctypes.data
+
+
+@dataclass
+class MapStats:
+    mapped: int = 0  # segments mapped
+    reused: int = 0  # times a load found a segment already mapped
+    pinned: int = 0  # registrations made
+    dropped: int = 0  # unmapped (file gone, dedicated, or closed)
+    register_seconds: float = 0.0
+
+
+class SegmentMaps:
+    """The segments of one shm dir mapped in this process (see the module docstring).
+
+    ``pinner``: a :class:`streamer_client.cuda.HostPinner` (tests pass one over a fake runtime);
+    made on first registration otherwise.
+    """
+
+    def __init__(self, shm_dir: Path, *, pinner=None, sweep_s: float = SWEEP_S) -> None:
+        self.shm_dir = Path(shm_dir)
+        self.stats = MapStats()
+        self._pinner = pinner
+        self._sweep_s = sweep_s
+        self._lock = threading.Lock()
+        self._entries: dict[str, MappedSegment] = {}
+        self._stale: list[MappedSegment] = []  # replaced while a load still used them
+        self._worker: ThreadPoolExecutor | None = None
+        self._janitor: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ per load
+
+    def load(self, *, populate: bool) -> Load:
+        """A load's view of the segments; ``populate``: map for CPU copies (see :func:`map_segment`)."""
+        self.sweep()
+        return Load(self, populate)
+
+    def _use(self, name: str, populate: bool) -> MappedSegment:
+        path = self.shm_dir / name
+        with self._lock:  # one lock for lookup and insert: two loads of one process map a file once
+            entry = self._entries.get(name)
+            if entry is not None and _identity(path) == entry.identity:
+                self.stats.reused += 1
+            else:
+                if entry is not None:  # gone or replaced: never reused; unmapped once idle
+                    del self._entries[name]
+                    self._stale.append(entry)
+                mapping, identity = map_segment(path, populate=populate)
+                entry = MappedSegment(name, path, identity, mapping, np.frombuffer(mapping, dtype=np.uint8))
+                self._entries[name] = entry
+                self.stats.mapped += 1
+            entry.users += 1
+            return entry
+
+    def _done(self, entries: list[MappedSegment]) -> None:
+        with self._lock:
+            for entry in entries:
+                entry.users -= 1
+        self.sweep()
+        with self._lock:
+            if self._entries and self._janitor is None:
+                self._janitor = threading.Thread(target=self._sweep_loop, name="streamer-segments", daemon=True)
+                self._janitor.start()
+
+    # ------------------------------------------------------------------ registration
+
+    def pin(self, entry: MappedSegment, device) -> Future:
+        """Ask for ``entry``'s registration (once; in order, on the worker thread)."""
+        with self._lock:
+            if entry.pinning is None:
+                if self._worker is None:
+                    self._worker = ThreadPoolExecutor(1, thread_name_prefix="streamer-pin")
+                entry.pinning = self._worker.submit(self._register, entry, device)
+            return entry.pinning
+
+    def _register(self, entry: MappedSegment, device) -> bool:
+        from .cuda import HostPinner
+
+        if self._pinner is None:
+            self._pinner = HostPinner()
+        start = time.perf_counter()
+        with _current(device):  # a thread of ours: make the copies' device current for the runtime
+            pinned = self._pinner.pin(entry.address, entry.array.nbytes, read_only=True)
+        self.stats.register_seconds += time.perf_counter() - start
+        self.stats.pinned += pinned
+        return pinned
+
+    # ------------------------------------------------------------------ dropping
+
+    def drop(self, entry: MappedSegment) -> None:
+        """A load is done with ``entry`` and nobody will need it again (a dedicated segment, read
+        once): unmap and unpin it as soon as no other load uses it."""
+        with self._lock:
+            entry.users -= 1
+            if entry.users > 0:
+                return
+        self._forget(entry)
+
+    def sweep(self) -> int:
+        """Unmap every idle segment whose file is gone or replaced; how many."""
+        with self._lock:
+            idle = [e for e in self._entries.values() if e.users == 0]
+            stale = [e for e in self._stale if e.users == 0]
+            self._stale = [e for e in self._stale if e.users > 0]
+        gone = [e for e in idle if _identity(e.path) != e.identity]
+        with self._lock:  # a load may have taken one since (the janitor runs beside the loads)
+            gone = [e for e in gone if e.users == 0]
+            for entry in gone:  # out of the table first: a load from now on maps the file anew
+                if self._entries.get(entry.name) is entry:
+                    del self._entries[entry.name]
+            gone += stale
+        for entry in gone:
+            self._forget(entry)
+        return len(gone)
+
+    def close(self) -> None:
+        """Unmap and unpin every idle segment (tests; a process's end does this by itself)."""
+        with self._lock:
+            idle = [e for e in self._entries.values() if e.users == 0]
+        for entry in idle:
+            self._forget(entry)
+
+    def mapped(self) -> dict[str, int]:
+        """``{segment name: address}`` of what is mapped now."""
+        with self._lock:
+            return {name: e.address for name, e in self._entries.items()}
+
+    def _forget(self, entry: MappedSegment) -> None:
+        with self._lock:
+            if self._entries.get(entry.name) is entry:
+                del self._entries[entry.name]
+        if entry.pinning is not None:
+            if entry.pinning.result() and self._pinner is not None:
+                self._pinner.unpin(entry.address)
+        entry.array = None
+        with contextlib.suppress(BufferError):  # a view still exported (a kept CPU view): it goes with it
+            entry.mapping.close()
+        self.stats.dropped += 1
+
+    def _sweep_loop(self) -> None:
+        while True:
+            time.sleep(self._sweep_s)
+            try:
+                self.sweep()
+            except Exception:  # never let the janitor die silently with memory held
+                log.exception("sweeping unlinked shared-memory segments failed")
+            with self._lock:
+                if not self._entries:
+                    self._janitor = None
+                    return
+
+
+@dataclass(eq=False)
+class Load:
+    """The segments one load uses; gives them back (to the cache) at :meth:`close`."""
+
+    maps: SegmentMaps
+    populate: bool
+    _used: dict[str, MappedSegment] = field(default_factory=dict)
+
+    def segment(self, name: str) -> MappedSegment:
+        entry = self._used.get(name)
+        if entry is None:
+            entry = self._used[name] = self.maps._use(name, self.populate)
+        return entry
+
+    def view(self, name: str, offset: int, nbytes: int) -> np.ndarray:
+        return self.segment(name).array[offset : offset + nbytes]
+
+    def prepare(self, names: list[str], device) -> None:
+        """Map ``names`` and ask for their registration, in this order (the order of their copies)."""
+        for name in names:
+            self.maps.pin(self.segment(name), device)
+
+    def pinned(self, name: str, device) -> bool:
+        """Wait for ``name``'s registration (asked for now if it was not); whether it is page-locked."""
+        return self.maps.pin(self.segment(name), device).result()
+
+    def drop(self, name: str) -> None:
+        entry = self._used.pop(name, None)
+        if entry is not None:
+            self.maps.drop(entry)
+
+    def close(self) -> None:
+        used, self._used = list(self._used.values()), {}
+        self.maps._done(used)
+
+
+_ALL: dict[Path, SegmentMaps] = {}
+_ALL_LOCK = threading.Lock()
+
+
+def segment_maps(shm_dir: Path) -> SegmentMaps:
+    """The process-wide :class:`SegmentMaps` of ``shm_dir``."""
+    key = Path(os.path.realpath(shm_dir))
+    with _ALL_LOCK:
+        maps = _ALL.get(key)
+        if maps is None:
+            maps = _ALL[key] = SegmentMaps(key)
+        return maps

@@ -1,0 +1,1 @@
+"""Stand-in for tensorrt_llm (see ../README.md): NVIDIA/TensorRT-LLM at the revisions each module names."""
