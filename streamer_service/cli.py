@@ -116,7 +116,11 @@ class _Version(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None) -> None:
         from .metrics import build_info
 
-        info = build_info(get_settings().build_revision)
+        try:
+            revision = get_settings().build_revision
+        except ValidationError:  # --version answers even where a STREAMER_* variable is bad
+            revision = "unknown"
+        info = build_info(revision)
         print(
             f"streamer-service {info['version']} (streamer-client {info['client_version']}, "
             f"runai-model-streamer {info['runai_version']}, Python {info['python_version']}, revision {info['revision']})"

@@ -105,6 +105,10 @@ def test_version_names_our_and_runais_versions():
     assert line.startswith(f"streamer-service {importlib.metadata.version('streamer-service')} (")
     assert f"runai-model-streamer {importlib.metadata.version('runai-model-streamer')}" in line
     assert "streamer-client 0.1.0" in line
+    import os
+
+    broken = run("--version", env={**os.environ, "STREAMER_LOCK_TIMEOUT_S": "soon"})  # a bad setting elsewhere
+    assert broken.returncode == 0 and broken.stdout.startswith("streamer-service "), broken.stderr
 
 
 def test_errors_are_json_lines_with_log_format_json(tmp_path):
