@@ -148,6 +148,8 @@ def _create_model_config_through_streamer(self: EngineArgs) -> ModelConfig:
         logger.info("streamer: config and tokenizer of %s from %s", uri, local)
         if self.tokenizer is None or self.tokenizer == uri:
             self.tokenizer = local
+        elif is_object_uri(self.tokenizer):  # a tokenizer of its own in object storage: pulled the same way
+            self.tokenizer = _pull(self.tokenizer, options.socket)
         if self.hf_config_path is None:
             self.hf_config_path = local
         self.served_model_name = self.served_model_name or uri
