@@ -113,6 +113,16 @@ class DaemonProcess:
         with self.client() as c:
             return c.get("/v1/stats").json()
 
+    def finished(self, count: int = 1, timeout: float = 60) -> list[dict]:
+        """Summaries of the ended sessions, newest last, once at least ``count`` have ended: a rank
+        can exit before the daemon's session thread has filed its session."""
+        deadline = time.monotonic() + timeout
+        while len(ended := self.stats()["finished"]) < count:
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{len(ended)} of {count} sessions ended within {timeout:g} s: {ended}")
+            time.sleep(0.05)
+        return ended
+
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(sig)

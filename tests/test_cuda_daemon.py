@@ -104,7 +104,7 @@ def test_warm_reload_to_gpu_from_the_resident_copy(big_checkpoint, tmp_path):
             assert p.returncode == 0, p.stderr[-3000:]
             result = json.loads(p.stdout.strip().splitlines()[-1])
             assert result["bad"] == [] and result["n"] == 49, result
-        cold, warm = d.stats()["finished"][-2:]
+        cold, warm = d.finished(2)[-2:]
         total = sum(f.stat().st_size for f in big_checkpoint.glob("*.safetensors"))
         assert 0 < cold["bytes_read"] <= total and cold["bytes_from_memory"] == 0
         assert warm["bytes_read"] == 0 and warm["bytes_from_memory"] == cold["bytes_read"]
@@ -141,7 +141,7 @@ def test_a_reload_in_the_same_process_pins_nothing_again(big_checkpoint, tmp_pat
         assert cold["pinned"] > 0
         assert (warm["mapped"], warm["pinned"]) == (cold["mapped"], cold["pinned"])  # nothing mapped or pinned again
         assert warm["reused"] - cold["reused"] >= cold["pinned"]
-        assert d.stats()["finished"][-1]["bytes_read"] == 0
+        assert d.finished(2)[-1]["bytes_read"] == 0
     finally:
         d.stop()
     assert list(d.shm_dir.iterdir()) == []

@@ -46,15 +46,6 @@ def _scrape(d: DaemonProcess) -> dict:
     }
 
 
-def _last_finished(d: DaemonProcess, timeout: float = 30) -> dict:
-    """The summary of the session that ended last, once one has: a rank may exit before the
-    daemon's session thread has filed it."""
-    deadline = time.monotonic() + timeout
-    while not d.stats()["finished"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return d.stats()["finished"][-1]
-
-
 def _range_bytes(backend) -> int:
     """Tensor-file bytes the storage served, from the proxy's log of Range headers."""
     total = 0
@@ -148,7 +139,7 @@ def test_rank_killed_mid_load_others_finish_and_shm_is_reclaimed(sample, daemon)
     while list(d.shm_dir.iterdir()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert list(d.shm_dir.iterdir()) == []
-    finished = _last_finished(d)
+    finished = d.finished()[-1]
     assert finished["ranks"]["1"]["status"] == "reclaimed"
     assert "rank 1 its process is gone" in d.log.read_text()
     assert d.healthy()
@@ -294,7 +285,7 @@ def test_tcp_listener_is_loopback_and_needs_the_token(sample, daemon):
     result = subprocess.run([sys.executable, "-c", code, str(sample)], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert int(result.stdout.strip()) == len(_catalog(sample).tensors)
-    assert _last_finished(d)["state"] == "done"  # it went through the daemon
+    assert d.finished()[-1]["state"] == "done"  # it went through the daemon
     assert "s3cr3t-t0ken" not in d.log.read_text()
 
 
@@ -316,7 +307,7 @@ def test_segments_are_reused_across_sessions_then_trimmed(sample, daemon):
     waiting = d.start_rank(str(sample), 0, 1, sample, names, RANK_AWAIT_GO="1", STREAMER_LAUNCH_ID="second")
     assert waiting.stderr.readline().strip() == "ready"
     first = finish(d.start_rank(str(sample), 0, 1, sample, names, STREAMER_LAUNCH_ID="first"))
-    _last_finished(d)
+    d.finished()
     kept = sorted(p.name for p in d.shm_dir.iterdir())
     assert first["bad"] == [] and kept  # idle segments stay mapped for the next load
     stats = d.stats()
@@ -383,4 +374,4 @@ def test_force_pull_means_the_same_through_the_daemon(backend, sample, daemon, m
     state = streamer_client.load_state_dict(uri)
     assert len(state) == len(_catalog(sample))
     assert json.loads((pulled / ".runai_complete").read_text())["pulled_at"] == marker["pulled_at"]
-    assert d.stats()["finished"][-1]["state"] == "done"
+    assert d.finished()[-1]["state"] == "done"

@@ -50,10 +50,6 @@ def _wait(predicate, timeout: float = 60, what: str = "condition"):
     raise AssertionError(f"timed out waiting for {what}")
 
 
-def _ended(d: DaemonProcess, n: int = 1) -> list[dict]:
-    return _wait(lambda: len(d.stats()["finished"]) >= n and d.stats()["finished"], what="the session to end")
-
-
 # A rank that takes TAKE tensors, closes its iterator (it leaves) and stays alive until stdin closes.
 LEAVE_EARLY = textwrap.dedent(
     """
@@ -83,7 +79,7 @@ def test_a_load_every_rank_left_stops_reading_from_storage(backend, sample, daem
     try:
         for p in ranks:
             assert p.stdout.readline().strip() == "left", p.stderr.read()
-        session = _ended(d)[-1]
+        session = d.finished()[-1]
         assert session["state"] == "failed" and {r["status"] for r in session["ranks"].values()} == {"left"}
         served = _tensor_bytes_served(backend)
         time.sleep(1.0)  # anything still being read for nobody would show up now
@@ -186,7 +182,7 @@ def test_ranks_learn_the_shm_dir_from_the_daemon(sample, tmp_path, daemon):
     result = subprocess.run([sys.executable, "-c", code, str(sample)], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert int(result.stdout) == len(_catalog(sample).tensors)
-    assert _ended(d)[-1]["state"] == "done"
+    assert d.finished()[-1]["state"] == "done"
     # STREAMER_SHM_DIR still wins (a rank that mounts the dir elsewhere): a wrong one fails clearly.
     bad = subprocess.run([sys.executable, "-c", code, str(sample)], env={**env, "STREAMER_SHM_DIR": str(tmp_path)},
                          capture_output=True, text=True, timeout=120)  # fmt: skip
@@ -203,7 +199,7 @@ def test_a_rank_that_cannot_map_its_segments_is_failed_not_delivered(sample, tmp
     wrong.mkdir()
     result = finish_failed(d.start_rank(str(sample), 0, 1, sample, [one], STREAMER_SHM_DIR=str(wrong)))
     assert result["error"]["type"] == "DaemonError" and "not found" in result["error"]["message"]
-    session = _ended(d)[-1]
+    session = d.finished()[-1]
     assert session["state"] == "failed"
     assert session["ranks"]["0"]["status"] == "failed"
     assert "DaemonError" in session["ranks"]["0"]["error"] and "rank 0 failed" in session["error"]
@@ -227,7 +223,7 @@ def test_a_checkpoint_of_zero_tensors_loads_through_the_daemon(tmp_path, daemon)
     code = "import streamer_client,sys; print(len(streamer_client.load_state_dict(sys.argv[1])))"
     result = subprocess.run([sys.executable, "-c", code, str(src)], env=d.rank_env(), capture_output=True, text=True, timeout=120)
     assert (result.returncode, result.stdout.strip()) == (0, "0"), result.stderr[-2000:]
-    assert _ended(d)[-1]["state"] == "done"
+    assert d.finished()[-1]["state"] == "done"
 
 
 @pytest.mark.parametrize("bad_first", [True, False], ids=["refused-first", "refused-last"])
@@ -278,4 +274,4 @@ def test_priority_order_through_the_daemon_is_the_embedded_order(sample, daemon)
     assert want[0].startswith("model.layers.3.") and want != names
     assert json.loads(embedded.stdout) == want
     assert json.loads(through.stdout) == want
-    assert _ended(d)[-1]["state"] == "done"
+    assert d.finished()[-1]["state"] == "done"

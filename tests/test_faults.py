@@ -110,7 +110,7 @@ def test_a_share_of_failing_range_gets_is_retried_byte_exact(cloud_daemon, backe
     damaged = [r for r in backend.proxy.requests if range_get(r) and r.status in (None, 500, 503)]
     assert len(damaged) == len(used)
     assert any(_tensor_read(r) for r in damaged) and any(not _tensor_read(r) for r in damaged)
-    assert d.stats()["finished"][-1]["state"] == "done"
+    assert d.finished()[-1]["state"] == "done"
     _clean_after(d)
 
 
@@ -143,7 +143,7 @@ def test_unrecoverable_reads_fail_clearly_in_bounded_time(fault, cloud_daemon, b
             attempts[r.range] = attempts.get(r.range, 0) + 1
     assert attempts and min(attempts.values()) >= 1 + int(FAST_FAILING["STREAMER_STORAGE_RETRIES"])
     backend.proxy.release_stalls()
-    finished = d.stats()["finished"][-1]
+    finished = d.finished()[-1]
     assert finished["state"] == "failed" and uri in finished["error"]
     _clean_after(d)
 

@@ -95,7 +95,7 @@ def _run_rounds(tmp_path: Path, rounds: int) -> None:
         print(f"daemon RSS per round (MiB): {[round(x / 2**20, 1) for x in rss]}; shm files: {shm_files}")
         assert shm_files == [0] * rounds
         assert rss[-1] - rss[0] <= RSS_SLACK, [round(x / 2**20, 1) for x in rss]
-        finished = d.stats()["finished"]
+        finished = d.finished(rounds * CHECKPOINTS)
         assert len(finished) == rounds * CHECKPOINTS and {s["state"] for s in finished} == {"done"}
         assert d.stats()["shm_in_use"] == 0 and d.healthy()
     finally:

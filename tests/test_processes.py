@@ -68,7 +68,7 @@ def test_shm_smaller_than_the_budget_is_a_config_error_not_a_sigbus(sample, tmp_
         assert result["error"]["type"] == "ConfigError"
         assert str(d.shm_dir) in result["error"]["message"]
         assert result["bad"] == []  # what was delivered before is whole
-        assert d.stats()["finished"][-1]["state"] == "failed"
+        assert d.finished()[-1]["state"] == "failed"
         assert leftovers(d, tmp_path / "cache") == ([], [])
         assert d.healthy()
     finally:

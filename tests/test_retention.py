@@ -10,7 +10,6 @@ import re
 import signal
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -54,6 +53,8 @@ def _tensor_bytes_served(backend) -> int:
 
 
 def _load(d: DaemonProcess, uri: str, truth: Path, selections, launch: str, **env) -> list[dict]:
+    """Run one load's ranks to the end, and wait until the daemon has filed its session."""
+    ended = len(d.stats()["finished"])
     ranks = [
         d.start_rank(uri, r, len(selections), truth, selections[r], STREAMER_LAUNCH_ID=launch, **env)
         for r in range(len(selections))
@@ -62,6 +63,7 @@ def _load(d: DaemonProcess, uri: str, truth: Path, selections, launch: str, **en
     for r, result in enumerate(results):
         assert result["bad"] == [], result["bad"]
         assert sorted(result["got"]) == sorted(selections[r])
+    d.finished(ended + 1)
     return results
 
 
@@ -78,14 +80,6 @@ def _wait_for_line(proc: subprocess.Popen, text: str, timeout: float = 120) -> N
     threading.Thread(target=read, daemon=True).start()
     if not found.wait(timeout):
         raise AssertionError(f"the rank did not print {text!r} (exit {proc.poll()})")
-
-
-def _finished(d: DaemonProcess, count: int = 1, timeout: float = 60) -> list[dict]:
-    """Summaries of ended sessions, once at least ``count`` sessions have ended."""
-    deadline = time.monotonic() + timeout
-    while len(finished := d.stats()["finished"]) < count and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return finished
 
 
 def _selections(src: Path) -> list[list[str]]:
@@ -117,7 +111,7 @@ def test_second_load_is_served_from_memory_with_no_storage_read(backend, sample,
     # What the warm load asked of the storage: one listing that proves the copy is current.
     assert [r.method for r in backend.proxy.requests] == ["GET"]
     assert backend.proxy.requests[0].range is None and not backend.proxy.requests[0].path.endswith(".safetensors")
-    last = _finished(d)[-1]
+    last = d.finished()[-1]
     assert (last["state"], last["bytes_read"], last["bytes_from_memory"]) == ("done", 0, union)
     stats = d.stats()
     assert stats["resident_bytes_served"] == union
@@ -140,7 +134,7 @@ def test_a_load_larger_than_the_retention_budget_streams_through_the_ring(sample
     assert stats["resident_bytes"] == 0 and stats["resident_checkpoints"] == []
     assert list(d.shm_dir.iterdir()) == []
     _load(d, str(sample), sample, [names], launch="second")
-    assert _finished(d)[-1]["bytes_read"] == _nbytes(sample, names)
+    assert d.finished()[-1]["bytes_read"] == _nbytes(sample, names)
 
 
 def test_least_recently_used_checkpoint_is_evicted(tmp_path, sample, daemon):
@@ -156,7 +150,7 @@ def test_least_recently_used_checkpoint_is_evicted(tmp_path, sample, daemon):
     assert [c["uri"] for c in stats["resident_checkpoints"]] == [str(other)]
     assert stats["resident_evictions"] == 1
     _load(d, str(sample), sample, [names], launch="c")  # evicted: read again
-    assert _finished(d)[-1]["bytes_read"] == size
+    assert d.finished()[-1]["bytes_read"] == size
     assert [c["uri"] for c in d.stats()["resident_checkpoints"]] == [str(sample)]
 
 
@@ -205,13 +199,13 @@ def test_force_pull_drops_the_resident_copy(sample, daemon):
     _load(d, str(sample), sample, [names], launch="first")
     before = sorted(p.name for p in d.shm_dir.iterdir())
     _load(d, str(sample), sample, [names], launch="forced", TRTLLM_OBJECT_STORAGE_FORCE_PULL="1")
-    assert _finished(d)[-1]["bytes_read"] == size  # the re-pulled generation is read again
+    assert d.finished()[-1]["bytes_read"] == size  # the re-pulled generation is read again
     after = sorted(p.name for p in d.shm_dir.iterdir())
     assert after and not set(after) & set(before)  # the old copy's segments are gone
     assert d.stats()["resident_bytes"] == sum(p.stat().st_size for p in d.shm_dir.iterdir())
     # The same launch again: its pull is done, the new copy serves it.
     _load(d, str(sample), sample, [names], launch="forced", TRTLLM_OBJECT_STORAGE_FORCE_PULL="1")
-    assert _finished(d)[-1]["bytes_read"] == 0
+    assert d.finished()[-1]["bytes_read"] == 0
 
 
 # --------------------------------------------------------------------------- rejoin
@@ -233,7 +227,7 @@ def test_a_killed_rank_rejoins_and_refetches_only_what_is_not_resident(backend, 
     rank1.send_signal(signal.SIGKILL)  # dies holding leases; the daemon reclaims it after 2 s
     rank1.wait()
     assert finish(rank0)["bad"] == []
-    first = _finished(d)[-1]
+    first = d.finished(1)[-1]
     assert first["state"] == "done" and first["ranks"]["1"]["status"] == "reclaimed"
     assert union <= _tensor_bytes_served(backend) <= union * 1.001
 
@@ -241,7 +235,7 @@ def test_a_killed_rank_rejoins_and_refetches_only_what_is_not_resident(backend, 
     backend.proxy.reset()
     again = finish(d.start_rank(uri, 1, WORLD, sample, selections[1], STREAMER_LAUNCH_ID="L"))
     assert again["bad"] == [] and sorted(again["got"]) == sorted(selections[1])
-    rejoin = _finished(d)[-1]
+    rejoin = d.finished(2)[-1]
     assert rejoin["rejoin_of"] == f"L:{uri}" and rejoin["state"] == "done"
     if retention == "0":  # nothing kept: its whole selection again, and only that
         assert (rejoin["bytes_read"], rejoin["bytes_from_memory"]) == (mine, 0)
@@ -252,7 +246,7 @@ def test_a_killed_rank_rejoins_and_refetches_only_what_is_not_resident(backend, 
 
     # Caught up, rank 1 belongs to its group again: the next load of the launch waits for both.
     _load(d, uri, sample, selections, launch="L")
-    assert _finished(d)[-1]["rejoin_of"] is None
+    assert d.finished()[-1]["rejoin_of"] is None
 
 
 def test_a_rank_rejoining_while_the_others_still_load_gets_what_is_resident(sample, daemon):
@@ -269,7 +263,7 @@ def test_a_rank_rejoining_while_the_others_still_load_gets_what_is_resident(samp
     again = finish(d.start_rank(str(sample), 1, WORLD, sample, selections[1], STREAMER_LAUNCH_ID="L"))
     assert again["bad"] == []
     assert finish(rank0)["bad"] == []
-    rejoin, first = _finished(d, 2)  # in the order they ended: the rejoin while rank 0 still loaded
+    rejoin, first = d.finished(2)  # in the order they ended: the rejoin while rank 0 still loaded
     assert rejoin["rejoin_of"] == f"L:{sample}" and first["rejoin_of"] is None
     assert first["ranks"]["1"]["status"] == "reclaimed" and first["ranks"]["0"]["status"] == "done"
     assert rejoin["bytes_read"] + rejoin["bytes_from_memory"] == mine

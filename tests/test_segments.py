@@ -154,7 +154,7 @@ def test_a_reload_from_the_resident_copy_maps_no_segment_again(sample, tmp_path,
                 resident = set(maps.mapped())
         assert maps.stats.mapped == cold_mapped and maps.stats.reused >= len(resident) > 0
         assert resident <= set(maps.mapped())
-        assert d.stats()["finished"][-1]["bytes_read"] == 0
+        assert d.finished(2)[-1]["bytes_read"] == 0
     finally:
         d.stop()
     maps.sweep()  # the daemon unlinked its segments at exit: nothing of them stays mapped here
@@ -219,5 +219,5 @@ def test_a_release_known_after_the_next_request_still_reaches_the_daemon(sample,
     truth = ground_truth(sample)
     assert got.keys() == truth.keys()
     assert all(torch.equal(got[n].view(-1).view(torch.uint8), t.view(-1).view(torch.uint8)) for n, t in truth.items())
-    assert d.stats()["finished"][-1]["state"] == "done"
+    assert d.finished()[-1]["state"] == "done"
     client.close()
