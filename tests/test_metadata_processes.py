@@ -91,7 +91,9 @@ def _wait_for(predicate, timeout: float, what: str):
 def test_puller_killed_mid_download_leaves_nothing_half_done(backend, tmp_path):
     files = dict(FILES)
     if backend.proxy is None:
-        # Local copies are fast: a large sparse file keeps the pull busy for long enough.
+        # Local copies are fast: a large sparse file keeps the pull busy for long enough (above the
+        # 256 MiB per-file cap of metadata pulls, so the cap is raised for this test's pulls).
+        env = _env(backend, STREAMER_METADATA_MAX_FILE_BYTES="1GiB")
         big = tmp_path / "big.model"
         with open(big, "wb") as f:
             f.truncate(512 * 1024 * 1024)
@@ -99,12 +101,13 @@ def test_puller_killed_mid_download_leaves_nothing_half_done(backend, tmp_path):
         backend.put_tree("m", files)
         os.replace(big, Path(backend.uri("m")) / "tokenizer.model")
     else:
+        env = _env(backend)
         backend.put_tree("m", files)
         backend.proxy.delay_s = 0.5
     uri = backend.uri("m")
     root = Path(os.environ["STREAMER_CACHE_DIR"])
     final = MetadataCache(Settings()).dir_for(parse_uri(uri))
-    proc = subprocess.Popen([*PULL, uri], env=_env(backend), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([*PULL, uri], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_for(lambda: any(p.is_file() for p in root.glob(".tmp-*/*")), 60, "the pull to write its first file")
     finally:
@@ -116,7 +119,7 @@ def test_puller_killed_mid_download_leaves_nothing_half_done(backend, tmp_path):
 
     if backend.proxy is not None:
         backend.proxy.delay_s = 0
-    result = subprocess.run([*PULL, uri], env=_env(backend), capture_output=True, text=True, timeout=120)
+    result = subprocess.run([*PULL, uri], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == str(final)
     assert (final / MARKER).is_file()
