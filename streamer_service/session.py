@@ -8,10 +8,12 @@ batch is published to the ranks that need tensors of it, as handles
 when every rank that got handles into it has released them. A slow rank holds
 segments and so applies backpressure; nothing is ever fetched twice.
 
-Which rank holds which batch is the rank ledger's (``ledger``); the ring of
-segments and its one-oversized rule are ``ring``'s, shared with the embedded
-engine; reading is the pipeline's, through a reader built by ``reader_factory``
-(Run:ai's native reader; tests pass a fake one and drive a session in-process).
+Which rank holds which batch is the rank ledger's (``ledger``); which segment a
+batch lands in — a ring slot from the node's pool or a segment kept resident —
+is the session buffers' (``buffers``); reading is the pipeline's, through a
+reader built by ``reader_factory`` (Run:ai's native reader; tests pass a fake
+one and drive a session in-process). This module is the state machine that
+ties them together, and the ranks' requests.
 
 A rank whose process is gone, or that is silent for ``rank_timeout_s``, is
 reclaimed (its leases released); the others finish. A load no rank reads any
@@ -26,28 +28,26 @@ A session can also serve a single rank (``only``): one that rejoins a load after
 from __future__ import annotations
 
 import enum
-import functools
 import logging
 import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 
 from streamer_client.errors import ObjectChangedError, ObjectNotFoundError, SessionError, StreamerError
 from streamer_client.protocol import Handle
 
+from .buffers import SegmentSlot, SessionBuffers
 from .catalog import TensorInfo
 from .checkpoint import Checkpoint
 from .ledger import RankLedger, RankState, RankStatus
 from .metrics import LoadTimes
 from .pipeline import Load, LoadStats, Pipeline
-from .plan import Batch, BatchKind, Plan, build_plan, union_order
+from .plan import Batch, BatchKind, build_plan, union_order
 from .process import ProcessWatch
-from .resident import ResidentCopy, ResidentStore
-from .ring import Ring
+from .resident import ResidentStore
 from .runai import BUFFERED_FS_STRATEGY, NativeReader
-from .shm import Reservation, Segment, SegmentPool
+from .shm import Segment, SegmentPool
 from .stats import SessionSummary
 from .versions import ObjectVersions
 
@@ -57,29 +57,12 @@ log = logging.getLogger(__name__)
 
 MAX_HANDLES_PER_REPLY = 8192
 
-# Enough segments for loading, delivery and release to overlap. More only cost set-up per load:
-# every segment is zero-filled by fallocate here and page-locked by each CUDA rank (0.11 s/GiB on
-# an H200 host), which a 16-slot ring of 4 GiB paid on every load (docs/benchmarks.md).
-MAX_RING_SLOTS = 6
-
 
 class SessionState(enum.Enum):
     JOINING = "joining"
     STREAMING = "streaming"
     DONE = "done"
     FAILED = "failed"
-
-
-@dataclass(eq=False)
-class _Slot:
-    segment: Segment
-    reservation: Reservation | None  # None: the session's resident claim pays for it
-    oversized: bool
-    resident: bool = False  # loaded and handed to the resident copy, which owns it from then on
-
-    @property
-    def kept(self) -> bool:
-        return self.reservation is None
 
 
 ReaderFactory = Callable[..., NativeReader]
@@ -122,10 +105,6 @@ class Session:
         self.rejoin = rejoin
         self.resident_bytes = 0  # handed out from memory kept by earlier loads
         self._slot_size = slot_size
-        self._pool = pool
-        self._resident = resident if resident is not None and resident.enabled else None
-        self._copy: ResidentCopy | None = None
-        self._claimed = 0  # resident bytes claimed for this session's own segments
         self._join_deadline = clock() + join_timeout_s
         self._join_timeout_s = join_timeout_s
         self._on_end = on_end
@@ -134,9 +113,8 @@ class Session:
         self._reader_factory = reader_factory
         self._clock = clock
         self._cond = threading.Condition()
-        self._ring: Ring[_Slot] = Ring(lock=self._cond)
+        self._buffers = SessionBuffers(pool, slot_size, resident, lock=self._cond, clock=clock)
         self._chosen: dict[int, tuple[Sequence[TensorInfo], Sequence[str] | None]] = {}  # each rank's selection
-        self._slots: list[_Slot] = []  # every live segment of this session
         self._cancelled = False
         self.load_complete = False  # every batch was loaded and published
         self._thread: threading.Thread | None = None
@@ -227,7 +205,8 @@ class Session:
         started = self._clock()
         try:
             missing = self._serve_resident(wanted)
-            plan = self._plan(missing)
+            plan = build_plan(missing, self._slot_size)
+            self._buffers.prepare(plan, self.key)
             if plan.batches:
                 fs_strategy = BUFFERED_FS_STRATEGY if self.checkpoint.uri.is_local else None
                 with self._reader_factory(fs_strategy=fs_strategy, environment=self._storage_environment) as reader:
@@ -264,8 +243,8 @@ class Session:
                 self.key, self.checkpoint.uri, self.error or "no rank is left to read it", self.stats.bytes_read,
             )  # fmt: skip
         except StreamerError as exc:
-            if self._copy is not None and isinstance(exc, (ObjectChangedError, ObjectNotFoundError)):
-                self._resident.drop(self._copy, str(exc))
+            if isinstance(exc, (ObjectChangedError, ObjectNotFoundError)):
+                self._buffers.drop_resident(str(exc))
             with self._cond:
                 self._fail(exc)
             log.error("session %s (%s) failed: %s", self.key, self.checkpoint.uri, exc)
@@ -276,85 +255,43 @@ class Session:
         finally:
             if self._versions is not None:
                 self._versions.close()
-            self._release_segments()
+            with self._cond:
+                self._ledger.clear()
+            self._buffers.release()
             self._on_end(self)
 
     def _serve_resident(self, wanted: list[TensorInfo]) -> list[TensorInfo]:
         """Hand out the tensors an earlier load left in memory; return those still to stream."""
-        if self._resident is None:
+        hits = self._buffers.resident_hits(self.checkpoint.uri.normalized, self.checkpoint.generation, wanted)
+        if not hits:
             return wanted
-        self._copy = copy = self._resident.pin(self.checkpoint.uri.normalized, self.checkpoint.generation)
-        hits = [t for t in wanted if t.nbytes and copy.get(t.name) is not None]
-        if hits and self._versions is not None:
+        if self._versions is not None:
             self._versions.check_all()  # one listing: the copy is still what storage holds
-        # One batch per resident segment, numbered after the plan's (which are 0..n-1).
-        by_segment: dict[str, list[TensorInfo]] = {}
-        for t in hits:
-            by_segment.setdefault(copy.get(t.name).segment.name, []).append(t)
-        base = 1 << 32
+        base = 1 << 32  # one batch per resident segment, numbered after the plan's (0..n-1)
         with self._cond:
-            for i, tensors in enumerate(by_segment.values()):
+            for i, (segment, tensors) in enumerate(hits.items()):
                 index = base + i
+
+                def handles_for(r: RankState, index=index, segment=segment, tensors=tensors) -> list[Handle]:
+                    return [Handle(index, segment, offset, t.nbytes, t.name, t.dtype, t.shape, False) for t, offset in tensors if t.name in r.names]
+
                 # Leased like a ring slot (ranks release it), but the resident copy owns the memory.
-                handed, _ = self._ledger.publish(index, lambda r: [self._resident_handle(index, t) for t in tensors if t.name in r.names], None)
+                handed, _ = self._ledger.publish(index, handles_for, None)
                 if handed:
                     self.times.mark("first_ready")
-            self.resident_bytes = sum(t.nbytes for t in hits)
+            self.resident_bytes = sum(t.nbytes for tensors in hits.values() for t, _ in tensors)
             self._cond.notify_all()
-        self._resident.served(self.resident_bytes)
-        served = {t.name for t in hits}
+        self._buffers.served(self.resident_bytes)
+        served = {t.name for tensors in hits.values() for t, _ in tensors}
         return [t for t in wanted if t.name not in served]
 
-    def _resident_handle(self, index: int, t: TensorInfo) -> Handle:
-        kept = self._copy.get(t.name)
-        return Handle(index, kept.segment.name, kept.offset, t.nbytes, t.name, t.dtype, t.shape, False)
-
-    def _plan(self, tensors: list[TensorInfo]) -> Plan:
-        """The plan for ``tensors``; with room in the retention budget, their bytes will stay resident."""
-        plan = build_plan(tensors, self._slot_size)
-        need = sum(self._pool.store.pages.round(b.buffer_bytes) for b in plan.batches if b.ranges)  # whole pages
-        if self._copy is not None and need and self._resident.claim(self._copy, need):
-            self._claimed = need
-        elif self._copy is not None and need:
-            log.info(
-                "session %s: %d bytes to load do not fit the retention budget; streaming through the ring",
-                self.key, need,
-            )  # fmt: skip
-        slot_batches = sum(b.kind is BatchKind.SLOT and b.buffer_bytes > 0 for b in plan.batches)
-        # Ring segments are all of the daemon's slot size, so that later sessions can reuse them.
-        self._ring.capacity = min(self._pool.budget.limit // self._slot_size, slot_batches, MAX_RING_SLOTS)
-        return plan
-
-    def _acquire(self, batch: Batch) -> tuple[Segment, _Slot] | None:
-        """A segment for ``batch``: a free ring slot, a new one while the ring may grow, or none."""
-        oversized = batch.kind is BatchKind.OVERSIZED
-        if self._claimed:
-            return self._acquire_kept(batch, oversized)
+    def _acquire(self, batch: Batch) -> tuple[Segment, SegmentSlot] | None:
+        """The pipeline's source of buffers: a segment for ``batch``, or none yet."""
         with self._cond:
             if self._cancelled:
                 raise _Cancelled
-        nbytes = batch.buffer_bytes if oversized else self._slot_size
-        slot = self._ring.take(functools.partial(self._new_slot, nbytes, oversized), oversized=oversized)
+        slot = self._buffers.acquire(batch)
         return None if slot is None else (slot.segment, slot)
-
-    def _new_slot(self, nbytes: int, oversized: bool) -> _Slot | None:
-        got = self._pool.take(nbytes, oversized=oversized)
-        if got is None:  # other sessions hold the node's budget: wait for a release
-            return None
-        slot = _Slot(got[0], got[1], oversized)
-        with self._cond:
-            self._slots.append(slot)
-        return slot
-
-    def _acquire_kept(self, batch: Batch, oversized: bool) -> tuple[Segment, _Slot]:
-        """A segment of the batch's exact size that stays resident once loaded (the claim pays)."""
-        with self._cond:
-            if self._cancelled:
-                raise _Cancelled
-        slot = _Slot(self._pool.store.create(batch.buffer_bytes), None, oversized)
-        with self._cond:
-            self._slots.append(slot)
-        return slot.segment, slot
 
     def _wait_for_release(self) -> None:
         with self._cond:
@@ -363,11 +300,9 @@ class Session:
             self._cond.wait(0.5)
 
     def _publish(self, load: Load) -> None:
-        slot: _Slot | None = load.token
-        if slot is not None and slot.kept:
-            placements = [(p.tensor.name, p.buffer_offset) for p in load.batch.placements if p.tensor.nbytes]
-            self._resident.add(self._copy, slot.segment, placements)
-            slot.resident = True
+        slot: SegmentSlot | None = load.token
+        if slot is not None:
+            self._buffers.keep(slot, load.batch.placements)
         with self._cond:
             if self._cancelled:
                 raise _Cancelled
@@ -387,7 +322,7 @@ class Session:
             if handed:
                 self.times.mark("first_ready")
             if not held and slot is not None:
-                self._recycle(slot)
+                self._buffers.recycle(slot)
             self._cond.notify_all()
 
     # ------------------------------------------------------------------ rank requests
@@ -476,19 +411,10 @@ class Session:
             uri=self.checkpoint.uri.normalized,
         )
 
-    def _recycle_all(self, slots: Sequence[_Slot]) -> None:
+    def _recycle_all(self, slots: Sequence[SegmentSlot]) -> None:
         for slot in slots:
-            self._recycle(slot)
+            self._buffers.recycle(slot)
         self._cond.notify_all()
-
-    def _recycle(self, slot: _Slot) -> None:
-        if slot.kept:
-            return  # the resident copy owns it now
-        if slot.oversized:
-            self._slots.remove(slot)
-            # Ranks dropped their mappings of it when they released it; kept idle for a reload.
-            self._pool.give(slot.segment, slot.reservation, keep=True, now=self._clock())
-        self._ring.give(slot, oversized=slot.oversized)
 
     # ------------------------------------------------------------------ ending
 
@@ -505,20 +431,6 @@ class Session:
         if self._thread is None:  # never started streaming: nothing else will call on_end
             self._ledger.clear()  # the joined ranks' process watches
             self._on_end(self)
-
-    def _release_segments(self) -> None:
-        with self._cond:
-            self._ledger.clear()
-            slots, self._slots = self._slots, []
-            self._ring.drain()
-        for slot in slots:
-            if not slot.kept:
-                self._pool.give(slot.segment, slot.reservation, keep=True, now=self._clock())
-            elif not slot.resident:
-                slot.segment.close()  # claimed but never filled: the load failed first
-        if self._copy is not None:
-            self._resident.settle(self._claimed - sum(s.segment.nbytes for s in slots if s.resident))
-            self._resident.unpin(self._copy)
 
     def summary(self) -> SessionSummary:
         with self._cond:
