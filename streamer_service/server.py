@@ -17,11 +17,13 @@ from pathlib import Path
 
 import uvicorn
 
+from streamer_client.connection import DaemonClient
 from streamer_client.errors import ConfigError, InvalidURIError
 
 from .api import PeerCredentialsProtocol, create_app
 from .runai import read_parallelism_in_force
 from .scrape import MetricsListener
+from .stats import DaemonStats
 from .settings import DEFAULT_SOCKET, Settings, few_slots_warning
 from .uri import parse_uri
 
@@ -164,8 +166,6 @@ class ChildDaemon:
     def __init__(
         self, root: Path, budget: str, *, env: dict[str, str] | None = None, shm_dir: Path | None = None, start_timeout_s: float = 60
     ) -> None:
-        from streamer_client.daemon import DaemonClient  # torch comes with it: not at module import
-
         shm_parent = "/dev/shm" if os.path.isdir("/dev/shm") else str(root)
         self._own_shm_dir = shm_dir is None
         self.shm_dir = Path(tempfile.mkdtemp(prefix="streamer-child-", dir=shm_parent)) if shm_dir is None else Path(shm_dir)
@@ -186,8 +186,8 @@ class ChildDaemon:
     def env(self) -> dict[str, str]:
         return {"STREAMER_SOCKET": str(self.socket), "STREAMER_SHM_DIR": str(self.shm_dir)}
 
-    def stats(self) -> dict:
-        return self.client.call("/v1/stats")
+    def stats(self) -> DaemonStats:
+        return DaemonStats.from_json(self.client.call("/v1/stats"))
 
     def close(self) -> None:
         self.client.close()

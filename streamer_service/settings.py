@@ -13,6 +13,7 @@ import os
 import re
 from functools import lru_cache
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Annotated, Literal
 
 from pydantic import AliasChoices, ByteSize, Field, SecretStr, ValidationError, field_validator
@@ -226,12 +227,19 @@ def env_name(field: str) -> str:
     return f"STREAMER_{field.upper()}"
 
 
-def describe_invalid(exc: ValidationError) -> str:
-    """A pydantic error as one line naming each variable, e.g. ``STREAMER_SHM_BUDGET='lots': ...``."""
+def describe_invalid(exc: ValidationError, arguments: Mapping[str, str] | None = None) -> str:
+    """A pydantic error as one line naming each variable, e.g. ``STREAMER_SHM_BUDGET='lots': ...``.
+
+    ``arguments`` maps the fields a caller passed as arguments to the names it passed them by
+    (``{"shm_budget": "budget"}``): those are named as arguments, not as variables.
+    """
     problems = []
     for error in exc.errors():
         field = str(error["loc"][0]) if error["loc"] else ""
-        name = env_name(field) if field in Settings.model_fields else field
+        if arguments and field in arguments:
+            name = arguments[field]
+        else:
+            name = env_name(field) if field in Settings.model_fields else field
         problems.append(f"{name}={error.get('input')!r}: {error['msg']}")
     return "; ".join(problems)
 

@@ -60,8 +60,11 @@ def test_bad_selection_fails_before_reading(checkpoint):
 def test_argument_errors(checkpoint):
     with pytest.raises(ConfigError, match="rank 4 is outside world_size 4"):
         streamer_client.stream(checkpoint, rank=4, world_size=4)
-    with pytest.raises(ConfigError, match="invalid argument"):
+    # Named as the caller passed it, in one line (not as STREAMER_SHM_BUDGET, not a pydantic dump).
+    with pytest.raises(ConfigError, match=r"^invalid argument: budget='lots': [^\n]+$"):
         streamer_client.stream(checkpoint, budget="lots")
+    with pytest.raises(ConfigError, match=r"^invalid argument: budget='1': Value error, a budget of 1 bytes is below one slot"):
+        streamer_client.stream(checkpoint, budget="1")
     with pytest.raises(ConfigError, match="borrowed views cannot be kept"):
         streamer_client.load_state_dict(checkpoint, borrowed=True)
 

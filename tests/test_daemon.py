@@ -263,9 +263,14 @@ def test_pull_metadata_through_the_daemon(sample, daemon, tmp_path):
     assert "pulled 2 metadata files" in d.log.read_text()  # the daemon pulled it, not the rank
     again = subprocess.run([sys.executable, "-c", code, str(sample)], env=d.rank_env(), capture_output=True, text=True, timeout=60)
     assert again.returncode == 0 and Path(again.stdout.strip()) == path
+    # The socket as an argument, as stream() takes it; require_daemon: no in-process fallback.
+    env = {k: v for k, v in d.rank_env().items() if k != "STREAMER_SOCKET"}
+    by_argument = "import streamer_client,sys; print(streamer_client.pull_metadata(sys.argv[1], socket=sys.argv[2], require_daemon=True))"
+    third = subprocess.run([sys.executable, "-c", by_argument, str(sample), str(d.socket)], env=env, capture_output=True, text=True, timeout=60)
+    assert third.returncode == 0 and Path(third.stdout.strip()) == path, third.stderr
     metrics = _scrape(d)
     assert metrics[("streamer_metadata_pulls_total", (("result", "miss"),))] == 1
-    assert metrics[("streamer_metadata_pulls_total", (("result", "hit"),))] == 1
+    assert metrics[("streamer_metadata_pulls_total", (("result", "hit"),))] == 2
 
 
 def test_tcp_listener_is_loopback_and_needs_the_token(sample, daemon):

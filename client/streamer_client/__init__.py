@@ -2,7 +2,7 @@
 
 Public API (the names other projects rely on)::
 
-    pull_metadata(uri, *, cache_dir=None, force=None) -> pathlib.Path
+    pull_metadata(uri, *, cache_dir=None, force=None, socket=None, ...) -> pathlib.Path
     stream(uri, *, select=None, rank=0, world_size=1, device="cpu", socket=None, ...)
         -> iterator of (name, torch.Tensor)
     load_state_dict(uri, **same) -> dict[str, torch.Tensor]
@@ -39,14 +39,18 @@ def pull_metadata(
     cache_dir: str | os.PathLike | None = None,
     force: bool | None = None,
     launch_id: str | None = None,
+    socket: str | os.PathLike | None = None,
+    require_daemon: bool = False,
 ) -> Path:
     """Pull the config, tokenizer and code of checkpoint ``uri`` into the node cache.
 
     Returns the local directory (``transformers.AutoConfig.from_pretrained`` can read it).
     ``force=None`` follows ``TRTLLM_OBJECT_STORAGE_FORCE_PULL``; a forced pull
-    re-downloads once per launch (see docs/metadata-cache.md).
+    re-downloads once per launch (see docs/metadata-cache.md). The daemon is found as
+    :func:`stream` finds it (``socket``, ``require_daemon``); without one this process pulls
+    into ``cache_dir`` (default ``STREAMER_CACHE_DIR``) itself.
     """
-    client = _daemon(None)
+    client = _daemon(socket, require_daemon)
     if client is not None:
         with contextlib.closing(client):
             # The rank's TRTLLM_OBJECT_STORAGE_FORCE_PULL, as stream() sends it: the daemon's
@@ -54,11 +58,9 @@ def pull_metadata(
             force = _config.client_config().force_pull if force is None else force
             body = {"uri": os.fspath(uri), "force": force, "launch_id": launch_id or _launch_id()}
             return Path(client.call("/v1/metadata", body, read_timeout=None)["path"])
-    from ._embedded import service, settings
+    from ._embedded import pull_in_process
 
-    metadata = service("metadata")
-    cfg = settings(cache_dir=Path(cache_dir) if cache_dir is not None else None)
-    return metadata.MetadataCache(cfg).pull(uri, force=force, launch_id=launch_id)
+    return pull_in_process(uri, cache_dir=Path(cache_dir) if cache_dir is not None else None, force=force, launch_id=launch_id)
 
 
 _said_embedded = False
@@ -78,7 +80,7 @@ def _daemon(socket: str | os.PathLike | None, require: bool = False):
     path = configured if configured is not None else _config.DEFAULT_SOCKET
     require = require or cfg.require_daemon
     if configured is not None or require or os.path.exists(path):
-        from .daemon import DaemonClient
+        from .connection import DaemonClient
 
         client = DaemonClient(path, connect_timeout_s=cfg.connect_timeout_s, token=cfg.token)
         if client.reachable():

@@ -6,18 +6,12 @@ SDKs or Run:ai; this module is the one place that does, on first embedded use.
 
 from __future__ import annotations
 
-import importlib
-from types import ModuleType
+from pathlib import Path
 
 from .errors import ConfigError
 
-
-def service(module: str) -> ModuleType:
-    """Import ``streamer_service.<module>`` or say clearly what to install."""
-    try:
-        return importlib.import_module(f"streamer_service.{module}")
-    except ModuleNotFoundError as exc:
-        raise _not_installed(exc) from None
+# The public argument each settings field is overridden by (for error messages).
+_ARGUMENTS = {"cache_dir": "cache_dir", "shm_budget": "budget"}
 
 
 def stream_in_process(request):
@@ -28,6 +22,16 @@ def stream_in_process(request):
     except ModuleNotFoundError as exc:
         raise _not_installed(exc) from None
     return stream(request, settings(cache_dir=request.cache_dir, shm_budget=request.budget))
+
+
+def pull_in_process(uri: str, *, cache_dir: Path | None, force: bool | None, launch_id: str | None) -> Path:
+    """The node-cache directory of ``uri``'s metadata, pulled by this process into ``cache_dir``
+    (over the configured one). Needs no torch: the metadata cache does not import it."""
+    try:
+        from streamer_service.metadata import MetadataCache
+    except ModuleNotFoundError as exc:
+        raise _not_installed(exc) from None
+    return MetadataCache(settings(cache_dir=cache_dir)).pull(uri, force=force, launch_id=launch_id)
 
 
 def _not_installed(exc: ModuleNotFoundError) -> BaseException:
@@ -44,11 +48,16 @@ def settings(**overrides):
 
     Overrides are validated like the environment is (``budget="8GiB"`` works, a bad one raises).
     """
-    module = service("settings")
+    try:
+        from pydantic import ValidationError
+        from streamer_service.settings import Settings, describe_invalid, get_settings
+    except ModuleNotFoundError as exc:
+        raise _not_installed(exc) from None
     update = {k: v for k, v in overrides.items() if v is not None}
     if not update:
-        return module.get_settings()
+        return get_settings()
     try:
-        return module.Settings(**update)
-    except ValueError as exc:  # pydantic's ValidationError
-        raise ConfigError(f"invalid argument: {exc}") from None
+        return Settings(**update)
+    except ValidationError as exc:
+        passed = {field: _ARGUMENTS.get(field, field) for field in update}
+        raise ConfigError(f"invalid argument: {describe_invalid(exc, passed)}") from None
