@@ -130,7 +130,7 @@ def one_rep(rep: int, source, truth: Path, world: int, device: str, borrowed: bo
             counted = source.bytes_served()
             return counted if counted is not None else _rchar(daemon.proc.pid)
 
-        before_read, before_served = daemon.stats()["bytes_read"], served()
+        before_read, before_served = daemon.stats().bytes_read, served()
         got: dict[str, list] = {k: [] for k in keys}
         for _ in range(world * len(keys)):
             rank, key, start, end, nbytes, error = results.get(timeout=1800)
@@ -143,13 +143,13 @@ def one_rep(rep: int, source, truth: Path, world: int, device: str, borrowed: bo
                 row[key.split("-")[0]] = {
                     "seconds": max(e for _, e, _ in got[key]) - min(s for s, _, _ in got[key]),
                     "delivered": sum(n for _, _, n in got[key]),
-                    "daemon_count": stats["bytes_read"] - before_read,
+                    "daemon_count": stats.bytes_read - before_read,
                     "storage_bytes": now_served - before_served,
                 }
-                before_read, before_served = stats["bytes_read"], now_served
+                before_read, before_served = stats.bytes_read, now_served
         for p in procs:
             p.join()
-        row["resident_bytes"] = daemon.stats()["resident_bytes"]
+        row["resident_bytes"] = daemon.stats().resident.resident_bytes
         return row
     finally:
         daemon.close()

@@ -579,9 +579,9 @@ def main(argv: list[str] | None = None) -> None:
         daemon = ChildDaemon(Path(tmp), args.daemon_budget, env={"STREAMER_CACHE_DIR": str(Path(tmp) / "daemon-cache")})
         try:
             for world in sorted({1, args.ranks}):
-                before = daemon.stats()["bytes_read"]
+                before = daemon.stats().bytes_read
                 per_rank = two_ranks("daemon", str(directory), args.e2e_reps, total, Path(tmp) / "rank-cache", daemon.env(), world)
-                read = (daemon.stats()["bytes_read"] - before) / (args.e2e_reps + 1)
+                read = (daemon.stats().bytes_read - before) / (args.e2e_reps + 1)
                 for r, rates in enumerate(per_rank):
                     add(f"daemon e2e, {world} rank(s): rank {r} -> cuda:{r % torch.cuda.device_count()}", rates,
                         f"node read {read / total:.3f}x the checkpoint per load")
@@ -602,8 +602,8 @@ def main(argv: list[str] | None = None) -> None:
                 add(f"daemon cold, retention on, {world} rank(s): rank {r} -> {gpu}", rates[:1], "first load: reads storage")
                 add(f"daemon warm from resident copy, {world} rank(s): rank {r} -> {gpu}", rates[1:],
                     f"warm/cold time {rates[0] / statistics.median(rates[1:]):.3f}")
-            print(f"  retention, {world} rank(s): {stats['resident_bytes_served'] / GB:.2f} GB served from memory, "
-                  f"{stats['bytes_read'] / GB:.2f} GB read from storage", flush=True)  # fmt: skip
+            print(f"  retention, {world} rank(s): {stats.resident.resident_bytes_served / GB:.2f} GB served from memory, "
+                  f"{stats.bytes_read / GB:.2f} GB read from storage", flush=True)  # fmt: skip
 
     ceiling_rate = statistics.median(rows[0][1])
     print()

@@ -166,8 +166,8 @@ def run(args: argparse.Namespace) -> int:
             launch = _Launch(socket, f"demo-{os.getpid()}", str(settings.cache_dir))
             results, wall = _run_ranks(uri, truth_dir, selections, launch, _progress(args, requested))
             stats = daemon.stats() if daemon else None
-            storage_bytes = stats["bytes_read"] if stats else requested
-            peak_shm = stats["shm_peak"] if stats else None
+            storage_bytes = stats.bytes_read if stats else requested
+            peak_shm = stats.shm_peak if stats else None
         finally:
             if daemon:
                 daemon.close()

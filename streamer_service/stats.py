@@ -2,12 +2,14 @@
 
 Small frozen dataclasses, read by attribute where the daemon uses them (``metrics``, the
 rejoin bookkeeping) and turned into the JSON of ``GET /v1/stats`` in one place, :meth:`to_json`
-(the field names there are the public contract: docs/daemon.md, the tests, the bench).
+(the field names there are the public contract: docs/daemon.md, the tests). Programs of ours
+that read another daemon's stats (the demo, the benchmarks) parse that JSON back with
+:meth:`DaemonStats.from_json` and read attributes too.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 __all__ = ["DaemonStats", "RankSummary", "ResidentStats", "SessionSummary"]
 
@@ -24,6 +26,10 @@ class RankSummary:
         if self.error:
             out["error"] = self.error
         return out
+
+    @classmethod
+    def from_json(cls, body: dict) -> "RankSummary":
+        return cls(body["status"], body["bytes_selected"], body["bytes_delivered"], body.get("error"))
 
 
 @dataclass(frozen=True)
@@ -43,6 +49,12 @@ class SessionSummary:
         out = asdict(self)
         out["ranks"] = {rank: r.to_json() for rank, r in self.ranks.items()}
         return out
+
+    @classmethod
+    def from_json(cls, body: dict) -> "SessionSummary":
+        # JSON object keys are strings: the ranks come back as ints.
+        ranks = {int(rank): RankSummary.from_json(r) for rank, r in body["ranks"].items()}
+        return cls(**{**body, "ranks": ranks})
 
 
 @dataclass(frozen=True)
@@ -82,3 +94,15 @@ class DaemonStats:
             "sessions": [s.to_json() for s in self.sessions],
             "finished": [s.to_json() for s in self.finished],
         }
+
+    @classmethod
+    def from_json(cls, body: dict) -> "DaemonStats":
+        """The stats of a daemon, from its ``GET /v1/stats`` JSON (:meth:`to_json`'s inverse)."""
+        resident = {f.name: body[f.name] for f in fields(ResidentStats)}
+        resident["resident_checkpoints"] = tuple(resident["resident_checkpoints"])
+        return cls(
+            **{f.name: body[f.name] for f in fields(cls) if f.name not in ("resident", "sessions", "finished")},
+            resident=ResidentStats(**resident),
+            sessions=tuple(SessionSummary.from_json(s) for s in body["sessions"]),
+            finished=tuple(SessionSummary.from_json(s) for s in body["finished"]),
+        )

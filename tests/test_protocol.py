@@ -44,3 +44,19 @@ def test_unknown_or_foreign_error_bodies_are_still_errors():
 def test_paths():
     assert protocol.rank_path("abc", 3, "next") == "/v1/sessions/abc/ranks/3/next"
     assert protocol.JOIN_PATH == "/v1/sessions/join"
+
+
+def test_daemon_stats_parse_back_from_their_json():
+    """The demo and the benchmarks read another daemon's /v1/stats as DaemonStats: the JSON
+    (the public contract) and the dataclasses must say the same, ranks and resident copies too."""
+    from streamer_service.stats import DaemonStats, RankSummary, ResidentStats, SessionSummary
+
+    ranks = {0: RankSummary("done", 10, 10), 1: RankSummary("failed", 5, 0, error="could not map")}
+    ended = SessionSummary("id1", "launch:uri", "s3://b/m", "failed", 2, 15, 0, None, ranks, "rank 1 failed: could not map")
+    stats = DaemonStats(
+        shm_budget=1 << 30, shm_in_use=0, shm_peak=1 << 20, shm_page_size=2 << 20, segments_idle=2, segments_reused=3,
+        bytes_read=15, resident=ResidentStats(1 << 30, 7, ({"uri": "s3://b/m", "bytes": 7, "tensors": 1, "pins": 0},), 7, 0),
+        finished=(ended,),
+    )  # fmt: skip
+    body = json.loads(json.dumps(stats.to_json()))  # as it comes over HTTP: rank keys become strings
+    assert DaemonStats.from_json(body) == stats

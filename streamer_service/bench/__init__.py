@@ -17,6 +17,7 @@ never from our own counters. Modules: ``sources``, ``scenarios``, ``ranks`` (the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import signal
 import sys
@@ -137,8 +138,8 @@ def run(args: argparse.Namespace) -> int:
         },
         "started": bench.started,
         "ok": ok,
-        "summary": rows,
-        "ratios": ratio_rows,
+        "summary": [dataclasses.asdict(r) for r in rows],
+        "ratios": [dataclasses.asdict(r) for r in ratio_rows],
         "runs": [r.as_dict() for r in results],
     }
     header = (

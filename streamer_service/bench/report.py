@@ -5,11 +5,12 @@ from __future__ import annotations
 import statistics
 import sys
 from collections import defaultdict
+from dataclasses import dataclass
 
 from .ranks import Mode
 from .runner import RunResult
 
-__all__ = ["Progress", "summarize", "ratios", "format_tables"]
+__all__ = ["Progress", "RatioRow", "SummaryRow", "summarize", "ratios", "format_tables"]
 
 # Targets from issue 9, shown beside the ratios they apply to.
 TIME_TARGETS = {("replicated", 4): 0.30, ("disjoint", None): 1.05}
@@ -61,7 +62,47 @@ def _median(values: list) -> float | None:
     return statistics.median(values) if values else None
 
 
-def summarize(results: list[RunResult]) -> list[dict]:
+@dataclass(frozen=True)
+class SummaryRow:
+    """One source, scenario, rank count and contender, over the timed repetitions (the JSON
+    report's ``summary`` entries: ``dataclasses.asdict``)."""
+
+    source: str
+    scenario: str
+    ranks: int
+    mode: str
+    label: str
+    reps: int  # verified timed repetitions
+    failed: int
+    verified: bool
+    checks: list[str]
+    wall_s_median: float | None
+    wall_s_min: float | None
+    wall_s_max: float | None
+    storage_bytes_median: float | None
+    unique_bytes: int
+    delivered_bytes: float | None
+    gb_per_s: float | None
+    peak_shm_bytes: int | None
+    peak_rss_ranks_bytes: int | None
+    peak_rss_daemon_bytes: int | None
+    max_rank_hwm_bytes: int | None
+
+
+@dataclass(frozen=True)
+class RatioRow:
+    """B (daemon) over A (plain Run:ai) for one source, scenario and rank count."""
+
+    source: str
+    scenario: str
+    ranks: int
+    time_b_over_a: float | None
+    time_target: float | None
+    bytes_b_over_a: float | None
+    bytes_target: float | None
+
+
+def summarize(results: list[RunResult]) -> list[SummaryRow]:
     """One row per source, scenario, rank count and contender, over the timed repetitions."""
     groups: dict[tuple, list[RunResult]] = defaultdict(list)
     for r in results:
@@ -73,44 +114,44 @@ def summarize(results: list[RunResult]) -> list[dict]:
         walls = [r.wall_s for r in ok]
         wall = _median(walls)
         delivered = _median([r.delivered_bytes for r in ok])
-        rows.append({
-            "source": source, "scenario": scenario, "ranks": ranks, "mode": mode, "label": Mode(mode).label,
-            "reps": len(ok), "failed": len(timed) - len(ok) + sum(not r.verified for r in runs if r.rep < 0),
-            "verified": all(r.verified for r in runs),
-            "checks": sorted({r.check for r in runs}),
-            "wall_s_median": wall, "wall_s_min": min(walls) if walls else None, "wall_s_max": max(walls) if walls else None,
-            "storage_bytes_median": _median([r.storage_bytes for r in ok]),
-            "unique_bytes": timed[0].unique_bytes,
-            "delivered_bytes": delivered,
-            "gb_per_s": delivered / wall / 1e9 if wall and delivered else None,
-            "peak_shm_bytes": max((r.peak_shm_bytes for r in ok if r.peak_shm_bytes is not None), default=None),
-            "peak_rss_ranks_bytes": max((r.peak_rss_ranks_bytes for r in ok), default=None),
-            "peak_rss_daemon_bytes": max((r.peak_rss_daemon_bytes for r in ok if r.peak_rss_daemon_bytes is not None),
-                                         default=None),
-            "max_rank_hwm_bytes": max((r.max_rank_hwm_bytes for r in ok), default=None),
-        })  # fmt: skip
+        rows.append(SummaryRow(
+            source=source, scenario=scenario, ranks=ranks, mode=mode, label=Mode(mode).label,
+            reps=len(ok), failed=len(timed) - len(ok) + sum(not r.verified for r in runs if r.rep < 0),
+            verified=all(r.verified for r in runs),
+            checks=sorted({r.check for r in runs}),
+            wall_s_median=wall, wall_s_min=min(walls) if walls else None, wall_s_max=max(walls) if walls else None,
+            storage_bytes_median=_median([r.storage_bytes for r in ok]),
+            unique_bytes=timed[0].unique_bytes,
+            delivered_bytes=delivered,
+            gb_per_s=delivered / wall / 1e9 if wall and delivered else None,
+            peak_shm_bytes=max((r.peak_shm_bytes for r in ok if r.peak_shm_bytes is not None), default=None),
+            peak_rss_ranks_bytes=max((r.peak_rss_ranks_bytes for r in ok), default=None),
+            peak_rss_daemon_bytes=max((r.peak_rss_daemon_bytes for r in ok if r.peak_rss_daemon_bytes is not None),
+                                      default=None),
+            max_rank_hwm_bytes=max((r.max_rank_hwm_bytes for r in ok), default=None),
+        ))  # fmt: skip
     return rows
 
 
-def ratios(rows: list[dict]) -> list[dict]:
+def ratios(rows: list[SummaryRow]) -> list[RatioRow]:
     """B / A per source, scenario and rank count: wall time and bytes read from storage."""
-    by_key = {(r["source"], r["scenario"], r["ranks"], r["mode"]): r for r in rows}
+    by_key = {(r.source, r.scenario, r.ranks, r.mode): r for r in rows}
     out = []
     for (source, scenario, ranks, mode), a in by_key.items():
         b = by_key.get((source, scenario, ranks, Mode.DAEMON.value))
         if mode != Mode.RUNAI.value or b is None:
             continue
-        time_ratio = b["wall_s_median"] / a["wall_s_median"] if a["wall_s_median"] and b["wall_s_median"] else None
-        sa, sb = a["storage_bytes_median"], b["storage_bytes_median"]
+        time_ratio = b.wall_s_median / a.wall_s_median if a.wall_s_median and b.wall_s_median else None
+        sa, sb = a.storage_bytes_median, b.storage_bytes_median
         target = TIME_TARGETS.get((scenario, ranks), TIME_TARGETS.get((scenario, None)))
         if scenario == "replicated" and ranks == 1:
             target = 1 / 0.95  # single-rank daemon throughput >= 0.95 of plain Run:ai
-        out.append({
-            "source": source, "scenario": scenario, "ranks": ranks,
-            "time_b_over_a": time_ratio, "time_target": target,
-            "bytes_b_over_a": sb / sa if sa and sb is not None else None,
-            "bytes_target": 1 / ranks if scenario == "replicated" else None,
-        })  # fmt: skip
+        out.append(RatioRow(
+            source=source, scenario=scenario, ranks=ranks,
+            time_b_over_a=time_ratio, time_target=target,
+            bytes_b_over_a=sb / sa if sa and sb is not None else None,
+            bytes_target=1 / ranks if scenario == "replicated" else None,
+        ))  # fmt: skip
     return out
 
 
@@ -122,7 +163,7 @@ def _num(value, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
-def format_tables(rows: list[dict], ratio_rows: list[dict]) -> str:
+def format_tables(rows: list[SummaryRow], ratio_rows: list[RatioRow]) -> str:
     """Markdown tables: the measurements, then the B / A ratios."""
     lines = [
         "| source | scenario | N | contender | wall s (median) | min–max | storage GB | × unique | GB/s | peak shm GB "
@@ -130,20 +171,20 @@ def format_tables(rows: list[dict], ratio_rows: list[dict]) -> str:
         "| --- | --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for r in rows:
-        spread = "-" if r["wall_s_min"] is None else f"{r['wall_s_min']:.2f}–{r['wall_s_max']:.2f}"
-        times = "-" if r["storage_bytes_median"] is None or not r["unique_bytes"] else f"{r['storage_bytes_median'] / r['unique_bytes']:.2f}"
-        checked = ("ok" if r["verified"] else f"FAILED ({r['failed']})") + f", {'+'.join(r['checks'])}"
+        spread = "-" if r.wall_s_min is None else f"{r.wall_s_min:.2f}–{r.wall_s_max:.2f}"
+        times = "-" if r.storage_bytes_median is None or not r.unique_bytes else f"{r.storage_bytes_median / r.unique_bytes:.2f}"
+        checked = ("ok" if r.verified else f"FAILED ({r.failed})") + f", {'+'.join(r.checks)}"
         lines.append(
-            f"| {r['source']} | {r['scenario']} | {r['ranks']} | {r['label']} | {_num(r['wall_s_median'], '.2f')} | {spread} "
-            f"| {_gb(r['storage_bytes_median'])} | {times} | {_num(r['gb_per_s'], '.2f')} | {_gb(r['peak_shm_bytes'])} "
-            f"| {_gb(r['peak_rss_ranks_bytes'])} | {_gb(r['peak_rss_daemon_bytes'])} | {checked} |"
+            f"| {r.source} | {r.scenario} | {r.ranks} | {r.label} | {_num(r.wall_s_median, '.2f')} | {spread} "
+            f"| {_gb(r.storage_bytes_median)} | {times} | {_num(r.gb_per_s, '.2f')} | {_gb(r.peak_shm_bytes)} "
+            f"| {_gb(r.peak_rss_ranks_bytes)} | {_gb(r.peak_rss_daemon_bytes)} | {checked} |"
         )
     if ratio_rows:
         lines += ["", "| source | scenario | N | time B÷A | target | bytes B÷A | target |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
         for r in ratio_rows:
             lines.append(
-                f"| {r['source']} | {r['scenario']} | {r['ranks']} | {_num(r['time_b_over_a'], '.2f')} "
-                f"| {'≤ ' + format(r['time_target'], '.2f') if r['time_target'] else ''} | {_num(r['bytes_b_over_a'], '.3f')} "
-                f"| {'= ' + format(r['bytes_target'], '.3f') if r['bytes_target'] else ''} |"
+                f"| {r.source} | {r.scenario} | {r.ranks} | {_num(r.time_b_over_a, '.2f')} "
+                f"| {'≤ ' + format(r.time_target, '.2f') if r.time_target else ''} | {_num(r.bytes_b_over_a, '.3f')} "
+                f"| {'= ' + format(r.bytes_target, '.3f') if r.bytes_target else ''} |"
             )
     return "\n".join(lines)
