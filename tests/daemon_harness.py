@@ -116,12 +116,11 @@ class DaemonProcess:
     def finished(self, count: int = 1, timeout: float = 60) -> list[dict]:
         """Summaries of the ended sessions, newest last, once at least ``count`` have ended: a rank
         can exit before the daemon's session thread has filed its session."""
-        deadline = time.monotonic() + timeout
-        while len(ended := self.stats()["finished"]) < count:
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{len(ended)} of {count} sessions ended within {timeout:g} s: {ended}")
-            time.sleep(0.05)
-        return ended
+        def ended() -> list[dict] | None:
+            summaries = self.stats()["finished"]
+            return summaries if len(summaries) >= count else None
+
+        return wait_until(ended, timeout, f"{count} ended session(s)")
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -156,6 +155,18 @@ def _mount(directory: Path, spec: str) -> str:
     if not fstype:
         fstype, options = "tmpfs", f"size={options}"
     return f"mount -t {fstype} -o {shlex.quote(options)} {fstype} {shlex.quote(str(directory))}"
+
+
+def wait_until(predicate, timeout: float = 60, what: str = "condition"):
+    """Poll ``predicate`` until it returns something true (returned), or fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(0.05)
 
 
 def finish(proc: subprocess.Popen, timeout: float = 300) -> dict:

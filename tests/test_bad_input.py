@@ -9,13 +9,12 @@ tests/test_metadata.py (object keys).
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from daemon_harness import DaemonProcess, leftovers
+from daemon_harness import DaemonProcess, leftovers, wait_until
 from streamer_service.api import MAX_BODY_BYTES, MAX_LIST
 from streamer_service.sample import build_sample
 
@@ -139,7 +138,7 @@ def test_api_misuse_is_a_clear_error(sample, daemon, tmp_path):
 
         waiting = threading.Thread(target=join_rank0)
         waiting.start()
-        _wait_until(lambda: any(s["key"] == "pair" for s in daemon.stats()["sessions"]))
+        wait_until(lambda: any(s["key"] == "pair" for s in daemon.stats()["sessions"]))
         # ... a second rank 0, and a rank with another world_size, are refused; the session goes on.
         assert "rank 0 already joined session 'pair'" in _error(_join(c, uri, session="pair", world_size=2), 409, "SessionError")["message"]
         error = _error(_join(c, uri, session="pair", rank=1, world_size=3), 409, "SessionError")
@@ -157,15 +156,10 @@ def test_api_misuse_is_a_clear_error(sample, daemon, tmp_path):
         assert again.status_code == 200, again.text
         rejoin_id = again.json()["session_id"]
         assert rejoin_id != session_id
-        _wait_until(lambda: any(s["id"] == session_id for s in daemon.stats()["finished"]))
+        wait_until(lambda: any(s["id"] == session_id for s in daemon.stats()["finished"]))
         ended = next(s for s in daemon.stats()["finished"] if s["id"] == session_id)
         assert [ended["ranks"][r]["status"] for r in ("0", "1")] == ["reclaimed", "reclaimed"]
         assert c.post(f"/v1/sessions/{rejoin_id}/ranks/0/leave").json() == {"left": True}
     _still_fine(daemon, tmp_path / "cache")
 
 
-def _wait_until(predicate, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from daemon_harness import DaemonProcess, finish, finish_failed
+from daemon_harness import DaemonProcess, finish, finish_failed, wait_until
 from streamer_service.catalog import build_catalog
 from streamer_service.plan import select as plan_select
 from streamer_service.settings import Settings
@@ -40,14 +40,6 @@ def _tensor_bytes_served(backend) -> int:
     return total
 
 
-def _wait(predicate, timeout: float = 60, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 # A rank that takes TAKE tensors, closes its iterator (it leaves) and stays alive until stdin closes.
@@ -104,7 +96,7 @@ def test_sigterm_mid_load_stops_reading_removes_everything_and_exits_0(backend, 
     backend.proxy.reset()
     rank = d.start_rank(uri, 0, 1, sample, names, RANK_STALL_AFTER="3")
     try:
-        assert _wait(lambda: "stalled" in rank.stderr.readline(), what="the rank to stall")
+        assert wait_until(lambda: "stalled" in rank.stderr.readline(), what="the rank to stall")
         assert list(d.shm_dir.iterdir())  # it holds a batch
         d.proc.send_signal(signal.SIGTERM)
         assert d.proc.wait(timeout=60) == 0
@@ -132,7 +124,7 @@ def _pid1_daemon(tmp_path: Path, d: DaemonProcess) -> subprocess.Popen:
     cmd = ["unshare", "--pid", "--fork", "--mount-proc", sys.executable, "-m", "streamer_service", "serve",
            "--socket", str(d.socket)]  # fmt: skip
     proc = subprocess.Popen(cmd, env=d.env, stdout=open(d.log, "ab"), stderr=subprocess.STDOUT)
-    _wait(lambda: proc.poll() is not None or d.healthy(), what="the PID-1 daemon")
+    wait_until(lambda: proc.poll() is not None or d.healthy(), what="the PID-1 daemon")
     assert proc.poll() is None, d.log.read_text()[-3000:]
     return proc
 
@@ -156,7 +148,7 @@ def test_a_pid1_daemon_killed_holding_a_batch_is_swept_by_the_next_pid1_daemon(s
         assert dead and all(n.startswith("streamer-1-") for n in dead)  # named after PID 1
         os.kill(_inside(first), signal.SIGKILL)  # the daemon, PID 1 inside; its namespace dies with it
         first.wait(timeout=30)
-        _wait(lambda: not d.healthy(), what="the daemon to be gone")
+        wait_until(lambda: not d.healthy(), what="the daemon to be gone")
         assert sorted(p.name for p in d.shm_dir.iterdir()) == dead  # SIGKILL cleans nothing
         second = _pid1_daemon(tmp_path, d)
         assert list(d.shm_dir.iterdir()) == []
@@ -239,7 +231,7 @@ def test_one_ranks_bad_selection_fails_the_others_at_once(sample, daemon, bad_fi
         other = finish_failed(good(), timeout=120)
     else:
         waiting = good()
-        _wait(lambda: d.stats()["sessions"], what="rank 0 to wait in its join")
+        wait_until(lambda: d.stats()["sessions"], what="rank 0 to wait in its join")
         refused = finish_failed(bad())
         other = finish_failed(waiting, timeout=120)
     assert refused["error"]["type"] == "SelectionError" and "'no.such.tensor'" in refused["error"]["message"]
