@@ -391,6 +391,7 @@ print(json.dumps({"x": "ab" * 1_000_000}))
 """
 
 
+@pytest.mark.timeout(12 * 120 + 60)  # twelve interpreters with torch: minutes on a loaded 2-core machine
 def test_process_output_survives_a_load(small_checkpoint, tmp_path):
     # Regression: with Run:ai's io_uring file strategy a later 2 MB write of the loading process to
     # a pipe came out truncated (about one run in four), exit code 0. 12 runs miss it 3% of the time.
