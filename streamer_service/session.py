@@ -10,7 +10,7 @@ segments and so applies backpressure; nothing is ever fetched twice.
 
 Which rank holds which batch is the rank ledger's (``ledger``); which segment a
 batch lands in — a ring slot from the node's pool or a segment kept resident —
-is the session buffers' (``buffers``); reading is the pipeline's, through a
+is the session buffers' (``session_buffers``); reading is the pipeline's, through a
 reader built by ``reader_factory`` (Run:ai's native reader; tests pass a fake
 one and drive a session in-process). This module is the state machine that
 ties them together, and the ranks' requests.
@@ -37,7 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 from streamer_client.errors import ObjectChangedError, ObjectNotFoundError, SessionError, StreamerError
 from streamer_client.protocol import Handle
 
-from .buffers import SegmentSlot, SessionBuffers
+from .session_buffers import SegmentSlot, SessionBuffers
 from .catalog import TensorInfo
 from .checkpoint import Checkpoint
 from .ledger import RankLedger, RankState, RankStatus
