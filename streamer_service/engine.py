@@ -7,7 +7,8 @@ Python); tensors are built over those bytes in plan order.
 Buffers:
 
 - A ring of at most ``budget // slot_bytes`` slots, allocated lazily, each as
-  large as the plan's largest slot batch (at most ``slot_size``). Slots are
+  large as the plan's largest slot batch (at most ``slot_size``; safe CPU loads:
+  each batch's own size). Slots are :class:`~streamer_service.buffers.HostBuffer` s,
   private anonymous ``mmap`` s: page-aligned (so the plan's range alignment
   holds in memory), backed by transparent huge pages where the kernel allows
   (fresh memory is filled only as fast as it can be faulted in), and returned
@@ -24,17 +25,27 @@ Batches complete in any order; they are delivered in plan order.
 
 Delivery modes (DESIGN.md 3.6, safe by default):
 
-- default: each tensor is copied once out of the ring into a fresh tensor
-  (that copy is the price of reusing slots in one process); the caller keeps
-  it as long as it likes. Oversized tensors are handed over without a copy:
-  their buffer is never reused.
-- ``device="cuda:N"``: ring slots are page-locked once (first use) and reused;
+- default (CPU): Run:ai reads each batch straight into memory the caller
+  keeps, as Run:ai's own ``owned=True`` does: a slot is a fresh buffer of the
+  batch's size, its tensors are views over it, and once they are delivered the
+  ring retires the slot (its memory is the caller's now) and makes a new one
+  for a later batch. No copy; the memory in flight stays within the budget
+  (``stats.buffer_bytes`` counts buffers until they are handed over). A kept
+  tensor keeps its batch's buffer (at most ``slot_size``) alive until every
+  tensor of that batch is gone: ``clone()`` one tensor kept alone for long.
+  Oversized tensors are handed over the same way.
+- ``device="cuda:N"``: ring slots are page-locked once (first use) and reused,
+  across loads too: when a load ends its slots stay page-locked in the process's
+  :class:`~streamer_service.buffers.PinnedPool` for the next load (slot sizes
+  rounded up to whole 2 MiB so that they repeat);
   each batch's copies are queued ``non_blocking`` on the stream's own CUDA
   stream (:class:`streamer_client.cuda.PinnedCopier`), overlapping the reads
   into other slots, and the caller's current stream waits for them before the
   first tensor is yielded. A slot (or oversized buffer) goes back to the ring
-  only once its copies have completed. Oversized buffers are used once, so
-  they are copied pageable (pinning costs about what it saves).
+  only once its copies have completed. Oversized buffers are page-locked too
+  (a pageable copy runs at 8 GB/s on an H200 host: 0.13 s of a 0.63 s load
+  for a 1 GiB embedding), and the pool keeps the last one for a tensor of the
+  same size.
 - ``borrowed=True``: zero-copy CPU views into the ring, valid only until the
   next item is requested. When a slot is about to be reused, every view
   handed out from it must be gone; if the caller kept one,
@@ -45,7 +56,6 @@ Delivery modes (DESIGN.md 3.6, safe by default):
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import mmap
 import weakref
@@ -62,6 +72,7 @@ from streamer_client.dtypes import byte_view, tensor_over, torch_dtype
 from streamer_client.errors import BorrowedTensorError, CheckpointError, ConfigError
 from streamer_client.leases import Leases
 
+from .buffers import HostBuffer, PinnedPool, pinned_pool
 from .catalog import Catalog
 from .header import TensorInfo
 from .plan import DEFAULT_ALIGN, Batch, BatchKind, Placement, Plan, build_plan
@@ -121,7 +132,7 @@ class EngineStats(LoadStats):
 
     buffer_bytes: int = 0  # engine-owned buffer bytes right now
     peak_buffer_bytes: int = 0
-    bytes_copied: int = 0  # copied out of ring slots (safe mode, device copies)
+    bytes_copied: int = 0  # copied out of ring slots (device copies; safe CPU tensors are handed over)
     tensors: int = 0
 
     def allocated(self, nbytes: int) -> None:
@@ -133,6 +144,8 @@ class EngineStats(LoadStats):
 
 
 ReaderFactory = Callable[..., NativeReader]
+
+_SLOT_GRANULE = 2 * 1024 * 1024  # device ring slots come in whole huge pages (see _ring_for)
 
 
 class EmbeddedEngine:
@@ -152,6 +165,7 @@ class EmbeddedEngine:
         *,
         reader_factory: ReaderFactory = NativeReader,
         versions: ObjectVersions | None = None,
+        pool: PinnedPool | None = None,
     ) -> None:
         self.uri = uri
         self.catalog = catalog
@@ -159,6 +173,7 @@ class EmbeddedEngine:
         self._versions = versions
         self.stats = EngineStats()
         self._reader_factory = reader_factory
+        self._pool = pool  # page-locked slots of CUDA loads (default: the process's pool)
 
     def plan(self, select: list[str] | None = None, priority: list[str] | None = None) -> Plan:
         """Select (names / prefixes, see :func:`streamer_service.plan.select`) and plan for this
@@ -196,7 +211,8 @@ class EmbeddedEngine:
 
     def _run(self, plan: Plan, device: torch.device, borrowed: bool) -> Iterator[tuple[str, torch.Tensor]]:
         verify = self._versions.check if self._versions is not None else None
-        stream = _Stream(self.uri, plan, self._ring_for(plan), self.stats, device, borrowed, verify)
+        pool = (self._pool or pinned_pool()) if device.type == "cuda" else None
+        stream = _Stream(self.uri, plan, self._ring_for(plan, pool), self.stats, device, borrowed, verify)
         try:
             with self._open_reader() as reader:
                 yield from stream.run(reader)
@@ -206,11 +222,15 @@ class EmbeddedEngine:
             if self._versions is not None:
                 self._versions.close()
 
-    def _ring_for(self, plan: Plan) -> _Ring:
+    def _ring_for(self, plan: Plan, pool: PinnedPool | None) -> _Ring:
         slot_batches = sum(b.kind is BatchKind.SLOT and b.buffer_bytes > 0 for b in plan.batches)
         slot_bytes = plan.slot_bytes
+        if slot_bytes and pool is not None:
+            # Whole 2 MiB, so that the next load's slots have the same size and the pinned pool's
+            # idle slots fit it; never past the slot size (so never past the budget).
+            slot_bytes = max(slot_bytes, min(-(-slot_bytes // _SLOT_GRANULE) * _SLOT_GRANULE, self.config.slot_size))
         count = min(self.config.budget // slot_bytes, slot_batches) if slot_bytes else 0
-        return _Ring(slot_bytes, count, self.stats)
+        return _Ring(slot_bytes, count, self.stats, pool)
 
     def _open_reader(self) -> NativeReader:
         # The filesystem strategy means nothing to object storage; leave Run:ai's state untouched there.
@@ -227,41 +247,9 @@ class EmbeddedEngine:
 # --------------------------------------------------------------------------- buffers
 
 
-_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
-
-
-class _HostBuffer:
-    """Anonymous page-aligned memory that Run:ai writes into.
-
-    The numpy array holds a buffer export of the mmap, and every tensor built over it holds the
-    array, so the mapping lives exactly as long as its last view. (``torch.frombuffer`` would
-    not do: it holds no export, and the mapping could be closed under the tensor.)
-    """
-
-    __slots__ = ("array", "address", "nbytes")
-
-    def __init__(self, nbytes: int) -> None:
-        # Private: Python's default for anonymous maps is MAP_SHARED, i.e. shmem, which gets no
-        # transparent huge pages (shmem has its own THP switch, off by default).
-        memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if _HUGEPAGE is not None:
-            # Fresh buffers are filled only as fast as their pages fault in: ~2 GB/s here with
-            # 4 KiB pages, ~12 GB/s with transparent huge pages. numpy advises large arrays the
-            # same way, which is why Run:ai's own buffers get them. Advice only: a kernel without
-            # THP refuses it and the buffer works as before.
-            with contextlib.suppress(OSError):
-                memory.madvise(_HUGEPAGE)
-        self.array = np.frombuffer(memory, dtype=np.uint8)
-        self.address = self.array.ctypes.data
-        self.nbytes = nbytes
-
-    def view(self, offset: int, nbytes: int) -> np.ndarray:
-        return self.array[offset : offset + nbytes]
-
-
 @dataclass(eq=False)
 class _Slot:
-    buffer: _HostBuffer
+    buffer: HostBuffer
     # (tensor name, weakref to the numpy view a borrowed tensor was built on), since last filled.
     leases: Leases = field(default_factory=Leases)
 
@@ -269,31 +257,41 @@ class _Slot:
 class _Ring:
     """The engine's slots: :class:`~streamer_service.ring.Ring` over private buffers of ``slot_bytes``."""
 
-    def __init__(self, slot_bytes: int, count: int, stats: EngineStats) -> None:
+    def __init__(self, slot_bytes: int, count: int, stats: EngineStats, pool: PinnedPool | None = None) -> None:
         self.slot_bytes = slot_bytes
         self.count = count
         self._stats = stats
-        self._ring: Ring[_Slot | _HostBuffer] = Ring(count)
+        self.pool = pool  # device loads: slots come from and go back to the process's pinned pool
+        self._ring: Ring[_Slot | HostBuffer] = Ring(count)
 
-    def acquire(self) -> _Slot | None:
-        """A free slot, or ``None`` while every slot is in use."""
-        return self._ring.take(self._new_slot)
+    def acquire(self, nbytes: int | None = None) -> _Slot | None:
+        """A free slot, or ``None`` while every slot is in use. ``nbytes``: a new slot of exactly
+        that size (at most ``slot_bytes``), for a batch whose buffer is handed over."""
+        return self._ring.take(functools.partial(self._new_slot, self.slot_bytes if nbytes is None else nbytes))
 
-    def _new_slot(self) -> _Slot:
-        self._stats.allocated(self.slot_bytes)
-        return _Slot(_HostBuffer(self.slot_bytes))
+    def _new_slot(self, nbytes: int) -> _Slot:
+        self._stats.allocated(nbytes)
+        buffer = self.pool.take(nbytes) if self.pool is not None else None
+        return _Slot(buffer if buffer is not None else HostBuffer(nbytes))
 
-    def acquire_oversized(self, nbytes: int) -> _HostBuffer | None:
+    def acquire_oversized(self, nbytes: int) -> HostBuffer | None:
         """A dedicated buffer for an oversized tensor, or ``None`` while another one is out."""
-        buffer = self._ring.take(functools.partial(_HostBuffer, nbytes), oversized=True)
+        buffer = self._ring.take(functools.partial(self._new_oversized, nbytes), oversized=True)
         if buffer is not None:
             self._stats.allocated(nbytes)
         return buffer
 
-    def release_oversized(self, buffer: _HostBuffer) -> None:
-        """The oversized buffer is handed over (CPU) or copied (device): no longer ours."""
+    def _new_oversized(self, nbytes: int) -> HostBuffer:
+        buffer = self.pool.take_oversized(nbytes) if self.pool is not None else None
+        return buffer if buffer is not None else HostBuffer(nbytes)
+
+    def release_oversized(self, buffer: HostBuffer) -> None:
+        """The oversized buffer is handed over (CPU) or copied (device): no longer ours. A device
+        load's goes to the pool, still page-locked, as its one idle oversized buffer."""
         self._stats.released(buffer.nbytes)
         self._ring.give(buffer, oversized=True)
+        if self.pool is not None:
+            self.pool.keep_oversized(buffer)
 
     def release(self, slot: _Slot, in_hand: weakref.ref | None) -> None:
         """Take a delivered slot back; refuse (and never reuse it) while borrowed views live.
@@ -304,9 +302,20 @@ class _Ring:
         slot.leases.end(in_hand)
         self._ring.give(slot)
 
+    def hand_over(self, slot: _Slot) -> None:
+        """The slot's tensors were delivered and keep its memory: no longer ours; a new slot
+        takes its place."""
+        self._stats.released(slot.buffer.nbytes)
+        self._ring.retire(slot)
+
     def close(self) -> None:
-        """Drop every slot (their memory goes once no borrowed view holds it)."""
-        self._stats.released(len(self._ring.drain()) * self.slot_bytes)
+        """Drop every slot (their memory goes once no view of the caller's holds it); with a
+        pool, its page-locked slots stay there for the next load. Only once nothing reads into
+        or copies out of them."""
+        slots = self._ring.drain()
+        self._stats.released(sum(slot.buffer.nbytes for slot in slots))
+        if self.pool is not None:
+            self.pool.give_back([slot.buffer for slot in slots])
 
 
 # --------------------------------------------------------------------------- one stream
@@ -332,22 +341,28 @@ class _Stream:
         self._device = device
         self._borrowed = borrowed
         self._plan = plan
-        self._oversized: _HostBuffer | None = None  # the one engine-owned dedicated buffer
+        self._oversized: HostBuffer | None = None  # the one engine-owned dedicated buffer
         self._in_hand: weakref.ref | None = None
         self._copier = PinnedCopier(device) if device.type == "cuda" else None
+        # Safe CPU tensors are views over a buffer the caller keeps (no copy out of a reused slot).
+        self._hand_over = device.type == "cpu" and not borrowed
 
     def run(self, reader: NativeReader) -> Iterator[tuple[str, torch.Tensor]]:
         pipeline = Pipeline(self._uri, self._plan, reader, self._acquire, self._stats, self._verify)
         for load in pipeline.loaded(self._wait_for_buffer):
             yield from self._deliver(load)
-            if load.token is not None and self._copier is None:  # device copies release their own
+            if load.token is None or self._copier is not None:  # device copies release their own
+                continue
+            if self._hand_over:
+                self._ring.hand_over(load.token)
+            else:
                 self._ring.release(load.token, self._in_hand)
 
     def close(self) -> None:
         copier, self._copier = self._copier, None
         try:
             if copier is not None:
-                copier.close()  # waits for copies in flight, recycles their buffers, unpins the slots
+                copier.close()  # waits for copies in flight, recycles their buffers
         finally:
             if self._oversized is not None:
                 self._ring.release_oversized(self._oversized)
@@ -356,9 +371,9 @@ class _Stream:
 
     # -------------------------------------------------------------- buffers
 
-    def _acquire(self, batch: Batch) -> tuple[_HostBuffer, _Slot | None] | None:
+    def _acquire(self, batch: Batch) -> tuple[HostBuffer, _Slot | None] | None:
         if batch.kind is BatchKind.SLOT:
-            slot = self._ring.acquire()
+            slot = self._ring.acquire(batch.buffer_bytes if self._hand_over else None)
             if slot is None and self._copier is not None:
                 self._copier.poll()  # slots whose device copies have completed go back to the ring
                 slot = self._ring.acquire()
@@ -395,8 +410,11 @@ class _Stream:
     def _deliver_to_device(self, load: Load) -> Iterator[tuple[str, torch.Tensor]]:
         """Queue every copy of the batch, fence them, hand the buffer back once they completed."""
         copier = self._copier
-        if load.token is not None:
-            copier.register(load.buffer.address, load.buffer.nbytes)  # once per slot: a lookup after that
+        if load.buffer is not None:
+            # Once per buffer and process: a lookup after that. The oversized one too: pinning it
+            # and copying at the link rate beats a pageable copy (8 GB/s) even the first time, and
+            # the pool keeps it for the next load.
+            self._ring.pool.pin(load.buffer, self._device)
         copies = deque((p.tensor.name, self._materialize(load, p)) for p in load.batch.placements)
         fence = copier.fence()  # the caller's stream waits for these copies; the host does not
         if load.token is not None:
@@ -409,7 +427,7 @@ class _Stream:
             yield name, tensor
             del tensor
 
-    def _drop_oversized(self, buffer: _HostBuffer) -> None:
+    def _drop_oversized(self, buffer: HostBuffer) -> None:
         if self._oversized is buffer:
             self._ring.release_oversized(buffer)
             self._oversized = None
@@ -419,8 +437,8 @@ class _Stream:
         if load.buffer is None:  # empty tensor: no bytes were read
             return torch.empty(info.shape, dtype=torch_dtype(info.dtype), device=self._device)
         view = load.buffer.view(placement.buffer_offset, info.nbytes)
-        if self._device.type == "cpu" and load.batch.kind is BatchKind.OVERSIZED:
-            return tensor_over(view, info.dtype, info.shape)  # a dedicated buffer is never reused: no copy needed
+        if self._hand_over or (self._device.type == "cpu" and load.batch.kind is BatchKind.OVERSIZED):
+            return tensor_over(view, info.dtype, info.shape)  # a buffer that is never reused: no copy needed
         if self._borrowed:
             return self._lend(load.token, view, info)
         return self._copy(view, info)

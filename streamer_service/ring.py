@@ -2,8 +2,9 @@
 
 One rule for both modes. The embedded engine fills private anonymous memory; the daemon fills
 shared-memory segments. Either way a load holds at most ``capacity`` slots (made on first use,
-then reused as batches are delivered) and at most one oversized tensor's dedicated buffer at a
-time, so its memory stays within the budget plus one oversized tensor.
+then reused as batches are delivered, or retired and replaced by a new one where the delivered
+tensors keep a slot's memory) and at most one oversized tensor's dedicated buffer at a time, so
+the memory in flight stays within the budget plus one oversized tensor.
 
 What a slot *is* stays with the caller: :meth:`Ring.take` gets a ``make`` callable, run outside
 the ring's lock (making a segment zero-fills it), which may answer ``None`` when memory is not
@@ -72,6 +73,12 @@ class Ring(Generic[T]):
                 self._oversized_out = False
             else:
                 self._free.append(item)
+
+    def retire(self, item: T) -> None:
+        """``item`` left the ring for good (its memory went to the caller with what was delivered
+        from it, as the embedded engine's safe CPU tensors do): its place is free for a new slot."""
+        with self._lock:
+            self._slots.remove(item)
 
     def drain(self) -> list[T]:
         """Every slot made, in use or free; the ring holds nothing afterwards."""

@@ -40,6 +40,7 @@ from streamer_client.cuda import (
     registered_ranges,
 )
 from streamer_client.errors import ConfigError
+from streamer_service.plan import BatchKind
 
 from checkpoints import INDEX_NAME, ground_truth, make_sharded_checkpoint, many_small_tensors, mixed_tensors
 
@@ -342,7 +343,21 @@ def test_a_read_only_shared_memory_mapping_is_pinned_with_the_read_only_flag(tmp
 # --------------------------------------------------------------------------- engine
 
 
-def _engine(directory: Path, budget: int, slot: int):
+_POOLS: list = []  # every pool _engine made; closed after each test
+
+
+@pytest.fixture(autouse=True)
+def close_engine_pools():
+    """What one test's loads left pinned never leaks into the next test's registrations."""
+    yield
+    while _POOLS:
+        _POOLS.pop().close()
+
+
+def _engine(directory: Path, budget: int, slot: int, pool=None):
+    """An engine whose CUDA loads keep their pinned slots in ``pool`` (default: one of its own,
+    ``engine.pool``, so that tests see only their own registrations)."""
+    from streamer_service.buffers import PinnedPool
     from streamer_service.catalog import build_catalog
     from streamer_service.engine import EmbeddedEngine, EngineConfig
     from streamer_service.settings import Settings
@@ -351,7 +366,11 @@ def _engine(directory: Path, budget: int, slot: int):
 
     uri = parse_uri(directory)
     catalog = build_catalog(open_storage(uri, Settings()))
-    return EmbeddedEngine(uri, catalog, EngineConfig(budget=budget, slot_size=slot))
+    pool = pool if pool is not None else PinnedPool()
+    _POOLS.append(pool)
+    engine = EmbeddedEngine(uri, catalog, EngineConfig(budget=budget, slot_size=slot), pool=pool)
+    engine.pool = pool
+    return engine
 
 
 @pytest.fixture(scope="module")
@@ -398,6 +417,9 @@ def test_engine_recycles_a_slot_only_after_its_copies_completed(many_batches, mo
     assert names == [t.name for t in plan.tensors]
     assert engine.stats.buffer_bytes == 0
     assert engine.stats.peak_buffer_bytes <= slots * slot + plan.oversized_bytes
+    # Kept for the next load: the ring's slots and the oversized tensor's buffer.
+    assert registered_ranges() == engine.pool.idle_ranges() and len(engine.pool.idle_ranges()) == slots + 1
+    engine.pool.close()
     assert registered_ranges() == {}
 
 
@@ -424,7 +446,7 @@ def test_engine_falls_back_to_pageable_copies_with_one_warning(many_batches, mon
     assert len([w for w in record if "pageable" in str(w.message)]) == 1
     for name, tensor in got.items():
         assert _bytes_equal(tensor, truth[name]), name
-    assert registered_ranges() == {}
+    assert registered_ranges() == {} and engine.pool.stats.pinned == 0  # nothing pinned, nothing kept
 
 
 @pytest.mark.gpu
@@ -438,7 +460,42 @@ def test_abandoning_a_device_stream_waits_for_its_copies_and_unpins(many_batches
         assert _bytes_equal(tensor, truth[name])
     assert registered_ranges()  # slots are pinned while the load runs
     stream.close()
-    assert registered_ranges() == {} and engine.stats.buffer_bytes == 0
+    assert engine.stats.buffer_bytes == 0
+    assert registered_ranges() == engine.pool.idle_ranges() != {}  # kept pinned for the next load
+    engine.pool.close()
+    assert registered_ranges() == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_a_second_device_load_pins_nothing_and_the_first_pins_only_what_it_uses(many_batches):
+    directory, truth = many_batches
+    engine = _engine(directory, budget=64 * KIB, slot=8 * KIB)  # a ring of up to 8 slots
+    small = engine.plan([n for n in truth if n.startswith("small.")])  # many slot batches, no oversized
+    assert not small.oversized_bytes and len(small.batches) > 8
+    few = engine.plan([n for n in truth if n.startswith("small.layers.1")][:30])
+
+    def load(plan) -> None:
+        got = dict(engine.stream(plan, device="cuda:0"))
+        assert got.keys() == {t.name for t in plan.tensors}
+        for name, tensor in got.items():
+            assert _bytes_equal(tensor, truth[name]), name
+
+    load(few)
+    stats = engine.pool.stats
+    first = sum(b.kind is BatchKind.SLOT and bool(b.ranges) for b in few.batches)
+    assert 0 < stats.pinned == first < 8, "the first load pins the slots it fills, not the budget's ring"
+    load(small)
+    load(small)
+    assert stats.pinned == 8, "later loads pinned only the slots the first one had not"
+    assert stats.reused == first + 8 and stats.idle == 8
+    huge = engine.plan(["huge.weight"])  # one oversized tensor (1 MiB > a slot)
+    load(huge)
+    load(huge)
+    assert stats.pinned == 9 and stats.reused == first + 8 + 1, "the oversized buffer is kept and reused too"
+    assert registered_ranges() == engine.pool.idle_ranges() and stats.idle == 9
+    engine.pool.close()
+    assert registered_ranges() == {} and stats.pinned_bytes == 0
 
 
 # --------------------------------------------------------------------------- a few GB
@@ -485,9 +542,22 @@ def _check_against_truth(directory: Path, got: dict[str, torch.Tensor], device: 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_a_few_gb_checkpoint_loads_byte_exact_through_the_public_api(few_gb_checkpoint):
     # A 1 GiB budget of 256 MiB slots: every slot is reused several times; the embedding is oversized.
-    got = streamer_client.load_state_dict(few_gb_checkpoint, device="cuda:0", budget="1GiB")
-    torch.cuda.synchronize()
-    _check_against_truth(few_gb_checkpoint, got, torch.device("cuda", 0))
+    from streamer_service.buffers import pinned_pool
+
+    pool = pinned_pool()
+    try:
+        got = streamer_client.load_state_dict(few_gb_checkpoint, device="cuda:0", budget="1GiB")
+        torch.cuda.synchronize()
+        _check_against_truth(few_gb_checkpoint, got, torch.device("cuda", 0))
+        del got
+        pinned = pool.stats.pinned
+        assert registered_ranges() == pool.idle_ranges() != {}  # the ring, kept for the next load
+        again = streamer_client.load_state_dict(few_gb_checkpoint, device="cuda:0", budget="1GiB")
+        torch.cuda.synchronize()
+        _check_against_truth(few_gb_checkpoint, again, torch.device("cuda", 0))
+        assert pool.stats.pinned == pinned, "a reload in the same process registers nothing"
+    finally:
+        pool.close()
     assert registered_ranges() == {}
 
 

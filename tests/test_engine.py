@@ -5,11 +5,13 @@ Ground truth is ``safetensors.torch.load_file``; every comparison is on bytes.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import weakref
 from pathlib import Path
 
 import pytest
@@ -90,6 +92,66 @@ def test_safe_mode_delivers_every_tensor_byte_exact_in_plan_order(full_checkpoin
     assert stats.buffer_bytes == 0
     assert stats.peak_buffer_bytes <= BUDGET + plan.oversized_bytes
     assert stats.peak_in_flight > 1, "batches should be read in parallel while the budget allows"
+
+
+def test_safe_cpu_tensors_are_read_in_place_into_memory_the_caller_keeps(full_checkpoint):
+    directory, truth = full_checkpoint
+    engine = _engine(directory)
+    plan = engine.plan()
+    kept = list(engine.stream(plan))
+    assert engine.stats.bytes_copied == 0, "Run:ai wrote the bytes where the tensors are: no copy"
+    # Every tensor kept until the end has memory of its own: no byte range was reused for a later batch.
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for _, t in kept if t.numel())
+    assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
+    for name, tensor in kept:
+        assert_same(name, tensor, truth)
+    stats = engine.stats
+    assert stats.buffer_bytes == 0  # handed over: the caller's now
+    assert stats.peak_buffer_bytes <= BUDGET + plan.oversized_bytes
+    assert stats.peak_in_flight > 1
+
+
+@pytest.fixture
+def buffer_memory(monkeypatch) -> list:
+    """Weak references to the memory of every engine buffer made (it lives while any view does)."""
+    from streamer_service import engine as engine_module
+    from streamer_service.buffers import HostBuffer
+
+    made: list[weakref.ref] = []
+
+    class Recorded(HostBuffer):
+        __slots__ = ()
+
+        def __init__(self, nbytes: int) -> None:
+            super().__init__(nbytes)
+            made.append(weakref.ref(self.array.base))
+
+    monkeypatch.setattr(engine_module, "HostBuffer", Recorded)
+    return made
+
+
+def _alive(made: list) -> int:
+    gc.collect()
+    return sum(r() is not None for r in made)
+
+
+def test_a_failed_safe_load_leaves_no_buffer_but_those_the_caller_holds(small_checkpoint, buffer_memory):
+    directory, truth = small_checkpoint
+    engine = _engine(directory, budget=4 * SLOT, slot=SLOT)
+    plan = engine.plan()
+    last = plan.tensors[-1]
+    os.truncate(directory / last.file, last.offset + last.nbytes // 2)
+    got = []
+    with pytest.raises(ObjectChangedError):
+        for name, tensor in engine.stream(plan):
+            got.append((name, tensor))
+    assert got, "batches before the failure were delivered"
+    for name, tensor in got:
+        assert_same(name, tensor, truth)
+    assert engine.stats.buffer_bytes == 0
+    assert len(buffer_memory) > _alive(buffer_memory) > 0  # the delivered batches' buffers only
+    del got, tensor
+    assert _alive(buffer_memory) == 0, "buffers in flight when the load failed were freed"
 
 
 def test_borrowed_mode_is_zero_copy_and_byte_exact(full_checkpoint):
@@ -276,10 +338,16 @@ def test_config_is_validated():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_device_copies_are_byte_exact(small_checkpoint):
     directory, truth = small_checkpoint
-    engine = _engine(directory)
-    for name, tensor in engine.stream(engine.plan(), device="cuda:0"):
-        assert tensor.device == torch.device("cuda", 0)
-        assert_same(name, tensor, truth)
+    from streamer_service.buffers import PinnedPool
+
+    pool = PinnedPool()
+    engine = _engine(directory, pool=pool)
+    try:
+        for name, tensor in engine.stream(engine.plan(), device="cuda:0"):
+            assert tensor.device == torch.device("cuda", 0)
+            assert_same(name, tensor, truth)
+    finally:
+        pool.close()  # its pinned slots, kept for a next load that does not come
 
 
 # --------------------------------------------------------------------------- memory
