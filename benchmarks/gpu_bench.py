@@ -351,6 +351,11 @@ def issue_row(kind: str, directory: Path, reps: int, world: int = 1, env: dict |
         spans[rank] = got
     for p in procs:
         p.join()
+    if world > 1:  # each rank's own span per repetition: do the ranks overlap or queue behind each other?
+        for i in range(reps):
+            first = min(spans[r][i][0] for r in spans)
+            print(f"    {kind} rep {i}: " + "  ".join(f"rank {r} {spans[r][i][0] - first:.2f}->{spans[r][i][1] - first:.2f} s"
+                                                 for r in sorted(spans)), flush=True)  # fmt: skip
     return [
         (max(spans[r][i][1] for r in spans) - min(spans[r][i][0] for r in spans), spans[0][i][2])
         for i in range(reps)
@@ -362,7 +367,8 @@ def issue_rows(disk_dir: Path, shm_root: Path, args, label: str) -> dict[str, li
     rows: dict[str, list[tuple[float, int]]] = {}
     reps = args.e2e_reps + 1  # the first of each is a warm-up, dropped below (except cold rows)
 
-    only = os.environ.get("ISSUE_ROWS")  # e.g. "daemon": only the rows whose name starts so
+    # e.g. "daemon" or "runai x4,daemon 4": only the rows whose name starts with one of these
+    only = tuple(p for p in os.environ.get("ISSUE_ROWS", "").split(",") if p)
 
     def row(name: str, kind: str, directory: Path, world: int = 1, env: dict | None = None, n: int = reps) -> None:
         if only and not name.startswith(only):
@@ -371,7 +377,9 @@ def issue_rows(disk_dir: Path, shm_root: Path, args, label: str) -> dict[str, li
         walls = [w for w, _ in rows[name][1:]] or [rows[name][0][0]]
         print(f"  [{label}] {name}: median {statistics.median(walls):.3f} s", flush=True)
 
-    tmpfs_dir = shm_root / "ckpt"
+    # A name of its own per run: a copy at a path loaded before (a probe's /dev/shm/ckpt) is another
+    # version of those files, which the metadata cache rightly refuses (ObjectChangedError).
+    tmpfs_dir = shm_root / f"ckpt-{label}-{os.getpid()}"
     if not tmpfs_dir.exists():
         shutil.copytree(disk_dir, tmpfs_dir)
     if label == "4k":
