@@ -14,9 +14,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import struct
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -31,6 +33,8 @@ sys.path.insert(0, str(ROOT / "examples"))
 from _sample import tiny_llama_for_engines  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
+
+IPC_DIR = ""  # set by the ipc_dir fixture
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +51,21 @@ def llama(tmp_path_factory) -> Path:
     return tiny_llama_for_engines(tmp_path_factory.mktemp("engines") / "llama")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def ipc_dir():
+    """vLLM's ZeroMQ sockets go here, not into /tmp (where every engine start left some); short,
+    as a unix socket path must be."""
+    global IPC_DIR
+    IPC_DIR = tempfile.mkdtemp(prefix="vllm-ipc-")
+    yield
+    shutil.rmtree(IPC_DIR, ignore_errors=True)
+
+
 def start_vllm(python: Path, model: str, load_format: str, out: Path, env: dict, extra: dict | None = None) -> subprocess.Popen:
     args = [str(python), str(RUN), model, load_format, str(out)] + ([json.dumps(extra)] if extra else [])
     log = open(out.with_suffix(".log"), "w")
-    return subprocess.Popen(args, env={**env, "VLLM_CPU_KVCACHE_SPACE": "1"}, stdout=log, stderr=subprocess.STDOUT)
+    env = {**env, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_RPC_BASE_PATH": IPC_DIR}
+    return subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def result_of(proc: subprocess.Popen, out: Path) -> dict:
