@@ -37,7 +37,6 @@ from collections.abc import Callable, Mapping, Sequence
 from streamer_client.errors import ObjectChangedError, ObjectNotFoundError, SessionError, StreamerError
 from streamer_client.protocol import Handle
 
-from .session_buffers import SegmentSlot, SessionBuffers
 from .catalog import TensorInfo
 from .checkpoint import Checkpoint
 from .ledger import RankLedger, RankState, RankStatus
@@ -47,6 +46,7 @@ from .plan import Batch, BatchKind, build_plan, union_order
 from .process import ProcessWatch
 from .resident import ResidentStore
 from .runai import BUFFERED_FS_STRATEGY, NativeReader
+from .session_buffers import SegmentSlot, SessionBuffers
 from .shm import Segment, SegmentPool
 from .stats import SessionSummary
 from .versions import ObjectVersions
