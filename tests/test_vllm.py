@@ -112,12 +112,14 @@ def test_vllm_serves_from_s3_through_the_daemon_like_its_own_loader(vllm_python,
     d = DaemonProcess(tmp_path, {**backend.env, "STREAMER_RANK_TIMEOUT_S": "300"}).start()
     try:
         backend.proxy.reset()
-        # The engine's environment has the daemon's socket and no cloud credentials or endpoint.
-        engine_env = {k: v for k, v in os.environ.items() if k not in backend.env}
-        engine_env.update(STREAMER_SOCKET=str(d.socket), STREAMER_SHM_DIR=str(d.shm_dir))
+        # The engine's environment has no cloud credentials or endpoint, and no STREAMER_SOCKET:
+        # the socket is a loader option (pull and stream both use it), and a daemon is required.
+        engine_env = {k: v for k, v in os.environ.items() if k not in backend.env and k != "STREAMER_SOCKET"}
+        engine_env.update(STREAMER_REQUIRE_DAEMON="1")
         assert not any(k.startswith(("AWS_ACCESS", "AWS_SECRET", "AWS_ENDPOINT")) for k in engine_env)
         out = tmp_path / "streamer.json"
-        got = result_of(start_vllm(vllm_python, uri, "streamer", out, engine_env, {"session": "vllm-s3"}), out)
+        options = {"session": "vllm-s3", "socket": str(d.socket)}
+        got = result_of(start_vllm(vllm_python, uri, "streamer", out, engine_env, options), out)
         stats = d.stats()
     finally:
         d.stop()

@@ -23,7 +23,6 @@ and tested with it (tests/test_vllm.py).
 
 from __future__ import annotations
 
-import os
 
 from torch import nn
 from vllm.config import ModelConfig
@@ -117,22 +116,8 @@ def _node_ranks(session: str | None, uri: str) -> NodeRanks:
 
 
 def _pull(uri: str, socket: str | None) -> str:
-    """pull_metadata through the daemon at ``socket`` when the engine names one.
-
-    pull_metadata finds its daemon through ``STREAMER_SOCKET`` only, so a socket named in
-    ``model_loader_extra_config`` is put there for the one call.
-    """
-    if socket is None:
-        return str(pull_metadata(uri))
-    before = os.environ.get("STREAMER_SOCKET")
-    os.environ["STREAMER_SOCKET"] = socket
-    try:
-        return str(pull_metadata(uri))
-    finally:
-        if before is None:
-            os.environ.pop("STREAMER_SOCKET", None)
-        else:
-            os.environ["STREAMER_SOCKET"] = before
+    """pull_metadata through the daemon at ``socket`` when the engine names one (else as stream() finds one)."""
+    return str(pull_metadata(uri, socket=socket))
 
 
 _create_model_config = EngineArgs.create_model_config
