@@ -181,6 +181,14 @@ class RankLedger:
         state.status, state.error = status, error
         return freed
 
+    def finish(self) -> None:
+        """The load is done: a rank still active has been handed and has released everything (it
+        had not said leave yet), so it is done; its summary must not say "active" once the session
+        has ended."""
+        for state in list(self.active()):
+            if state.finished:
+                self._end(state, RankStatus.DONE)
+
     def clear(self) -> None:
         """The session ended: its buffers go back whatever the ranks hold."""
         self._leases.clear()

@@ -229,6 +229,7 @@ class Session:
                         )
                     )
                 else:
+                    self._ledger.finish()
                     self._end(SessionState.DONE)
             log.info(
                 "session %s (%s, %d ranks): %d bytes read from storage, %d served from memory, in %.2f s",

@@ -38,6 +38,22 @@ def _join(c: httpx.Client, uri: str, **kw) -> httpx.Response:
     return c.post("/v1/sessions/join", json=body, timeout=60)
 
 
+def _keep_reading(daemon: DaemonProcess, session_id: str, rank: int, stop: threading.Event) -> None:
+    """Rank ``rank`` of ``session_id``, alive: takes and releases every batch, and once ``stop`` is
+    set and it has received everything, leaves."""
+    base = f"/v1/sessions/{session_id}/ranks/{rank}"
+    release: list[int] = []
+    done = False
+    with daemon.client() as c:
+        while not (done and stop.is_set()):
+            reply = c.post(f"{base}/next", json={"release": release, "wait_s": 0.2}, timeout=60)
+            assert reply.status_code == 200, reply.text
+            release, done = sorted({h[0] for h in reply.json()["handles"]}), reply.json()["done"]
+        # The load may have ended by now (this rank had released everything): both are no-ops then.
+        c.post(f"{base}/next", json={"release": release, "wait_s": 0.0}, timeout=60)
+        c.post(f"{base}/leave")
+
+
 def _error(r: httpx.Response, status: int, kind: str) -> dict:
     assert r.status_code == status, r.text
     error = r.json()["error"]
@@ -149,16 +165,23 @@ def test_api_misuse_is_a_clear_error(sample, daemon, tmp_path):
         assert first["r"].status_code == 200 and first["r"].json()["session_id"] == second.json()["session_id"]
         # Rank 0 joining again after streaming began: the daemon waits until the first rank 0, silent
         # here, is reclaimed (STREAMER_RANK_TIMEOUT_S), then serves the newcomer as a rejoin in a
-        # session of its own (docs/daemon.md, "Warm restart and rejoin"). Rank 1, silent too, is
-        # reclaimed with it, which ends the first session; the rejoined rank abandons its load.
+        # session of its own (docs/daemon.md, "Warm restart and rejoin"). Rank 1 keeps reading
+        # meanwhile: were it silent too, the load would be abandoned when both are reclaimed, and a
+        # rank 0 arriving after that starts a new group load instead (a race, in this test, before).
         session_id = second.json()["session_id"]
-        again = _join(c, uri, session="pair", world_size=2)
+        stop = threading.Event()
+        rank1 = threading.Thread(target=_keep_reading, args=(daemon, session_id, 1, stop))
+        rank1.start()
+        try:
+            again = _join(c, uri, session="pair", world_size=2)
+        finally:
+            stop.set()
+            rank1.join(timeout=60)
         assert again.status_code == 200, again.text
         rejoin_id = again.json()["session_id"]
         assert rejoin_id != session_id
-        wait_until(lambda: any(s["id"] == session_id for s in daemon.stats()["finished"]))
-        ended = next(s for s in daemon.stats()["finished"] if s["id"] == session_id)
-        assert [ended["ranks"][r]["status"] for r in ("0", "1")] == ["reclaimed", "reclaimed"]
+        ended = wait_until(lambda: next((s for s in daemon.stats()["finished"] if s["id"] == session_id), None), what="the first session's end")
+        assert [ended["ranks"][r]["status"] for r in ("0", "1")] == ["reclaimed", "done"]
         assert c.post(f"/v1/sessions/{rejoin_id}/ranks/0/leave").json() == {"left": True}
     _still_fine(daemon, tmp_path / "cache")
 

@@ -248,3 +248,27 @@ def _catch(out: list, fn, *args) -> None:
         fn(*args)
     except BaseException as exc:  # noqa: BLE001 - the test looks at it
         out.append(exc)
+
+
+def test_a_rank_that_received_everything_is_done_even_before_it_says_leave(node):
+    """A finished session's summary never says "active": a rank handed and released everything
+    whose leave had not arrived yet when the load ended is done (it was reported "active")."""
+    session = node.session(2)
+    _join_all(session, [None, None])
+    got0: list = []
+    rank0 = threading.Thread(target=lambda: got0.extend(_consume(session, 0, node.shm)))  # reads everything, leaves
+    rank0.start()
+    release: list[int] = []
+    while True:  # rank 1 reads and releases everything, but does not leave
+        handles, done = session.next(1, release, 5.0)
+        release = sorted({h.batch for h in handles if h.segment is not None})
+        if done:
+            session.next(1, release, 0)
+            break
+    rank0.join(60)
+    assert session.wait_ended(60) and session.state is SessionState.DONE
+    assert {r: s.status for r, s in session.summary().ranks.items()} == {0: "done", 1: "done"}
+    session.leave(1)  # its leave after the end changes nothing
+    assert session.summary().ranks[1].status == "done"
+    assert len(got0) == len(node.checkpoint.catalog.tensors)
+    assert list(node.shm.iterdir()) == []
