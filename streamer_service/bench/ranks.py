@@ -130,6 +130,9 @@ def _preload(mode: Mode) -> None:
         import streamer_client  # noqa: F401
 
         from .. import embedded  # noqa: F401
+        from ..runai.contract import load_native
+
+        load_native()  # Run:ai's native library, as A's import of runai_model_streamer opens it
     else:
         import boto3  # noqa: F401
         import safetensors.torch  # noqa: F401
