@@ -10,8 +10,8 @@ from pathlib import Path
 
 from .errors import ConfigError
 
-# The public argument each settings field is overridden by (for error messages).
-_ARGUMENTS = {"cache_dir": "cache_dir", "shm_budget": "budget"}
+# Settings fields whose public argument has another name (for error messages).
+_ARGUMENTS = {"shm_budget": "budget"}
 
 
 def stream_in_process(request):
