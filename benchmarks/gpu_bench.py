@@ -445,6 +445,13 @@ def issue_table(columns: dict[str, dict[str, list[tuple[float, int]]]]) -> None:
         print(f"{label:<58}" + "".join(f"{v:>9.2f}" if v else f"{'':>9}" for v in values) + ratios)
     cold = [rate(columns[n], "daemon retained: cold, then warm reloads", "cold") for n in names]
     print(f"{'daemon retained, first (cold) load':<58}" + "".join(f"{v:>9.2f}" if v else f"{'':>9}" for v in cold))
+    # Every row's first load is its process's first (and, for the daemon rows, a fresh daemon's).
+    for key, label in [("instanttensor, tmpfs dir", "  first load of a process: InstantTensor, tmpfs"),
+                       ("embedded, tmpfs dir", "  first load of a process: embedded, tmpfs"),
+                       ("embedded, page cache", "  first load of a process: embedded, page cache"),
+                       ("daemon 1 rank, page cache", "  first load on a fresh daemon, 1 rank")]:  # fmt: skip
+        values = [rate(columns[n], key, "cold") if key in columns[n] else rate(k4, key, "cold") for n in names]
+        print(f"{label:<58}" + "".join(f"{v:>9.2f}" if v else f"{'':>9}" for v in values))
     ind = k4.get("runai x4 independent, page cache")
     if ind:
         runai4 = statistics.median(w for w, _ in ind[1:])

@@ -34,7 +34,9 @@ Delivery modes (DESIGN.md 3.6, safe by default):
   tensor keeps its batch's buffer (at most ``slot_size``) alive until every
   tensor of that batch is gone: ``clone()`` one tensor kept alone for long.
   Oversized tensors are handed over the same way.
-- ``device="cuda:N"``: ring slots are page-locked once (first use) and reused,
+- ``device="cuda:N"``: the ring holds at most :data:`DEVICE_RING_BYTES` (the
+  copies drain it at the link rate; page-locking more only slows a first load);
+  ring slots are page-locked once (first use) and reused,
   across loads too: when a load ends its slots stay page-locked in the process's
   :class:`~streamer_service.buffers.PinnedPool` for the next load (slot sizes
   rounded up to whole 2 MiB so that they repeat);
@@ -147,6 +149,12 @@ ReaderFactory = Callable[..., NativeReader]
 
 _SLOT_GRANULE = 2 * 1024 * 1024  # device ring slots come in whole huge pages (see _ring_for)
 
+DEVICE_RING_BYTES = 1024**3
+"""At most this much of a device load's ring (page-locked slots), however large the budget: the
+copies drain a slot at the link rate (55 GB/s on an H200: 5 ms per 256 MiB), so four slots keep
+the reads busy, and page-locking is the first load's largest cost (0.37 s of a 1.2 s first load
+for the whole 4 GiB default budget on an H200 host, 0.07 s/GiB; docs/benchmarks.md, issue 16)."""
+
 
 class EmbeddedEngine:
     """Streams one checkpoint's tensors in-process (no daemon, no shared memory).
@@ -230,6 +238,8 @@ class EmbeddedEngine:
             # idle slots fit it; never past the slot size (so never past the budget).
             slot_bytes = max(slot_bytes, min(-(-slot_bytes // _SLOT_GRANULE) * _SLOT_GRANULE, self.config.slot_size))
         count = min(self.config.budget // slot_bytes, slot_batches) if slot_bytes else 0
+        if pool is not None:
+            count = min(count, max(2, DEVICE_RING_BYTES // slot_bytes))  # two: one filling, one copying
         return _Ring(slot_bytes, count, self.stats, pool)
 
     def _open_reader(self) -> NativeReader:

@@ -334,6 +334,28 @@ def test_config_is_validated():
     assert EngineConfig.from_settings(Settings(shm_budget=MIB, slot_size=4 * MIB)).slot_size == MIB
 
 
+def test_a_device_load_page_locks_at_most_the_device_ring_whatever_the_budget(tmp_path, monkeypatch):
+    from streamer_service import engine as engine_module
+    from streamer_service.buffers import PinnedPool
+
+    make_sharded_checkpoint(tmp_path, {f"w{i}": torch.zeros(16, 1024) for i in range(60)}, n_shards=2)  # 64 KiB each
+    engine = _engine(tmp_path, budget=32 * MIB, slot=256 * KIB)
+    plan = engine.plan()
+    slot_batches = sum(b.kind is BatchKind.SLOT for b in plan.batches)
+    assert slot_batches > 4 and not plan.oversized_bytes
+    # Room for 4 device slots (1 GiB by default: four of 256 MiB) and a budget for all of them. Device
+    # slots are whole 2 MiB but never past the slot size: 256 KiB each here.
+    monkeypatch.setattr(engine_module, "DEVICE_RING_BYTES", 4 * 256 * KIB)
+    pool = PinnedPool()  # slots are made lazily: sizing a ring allocates nothing
+    try:
+        assert engine._ring_for(plan, None).count == slot_batches  # CPU: as many in flight as the budget allows
+        assert engine._ring_for(plan, pool).count == 4
+        one = engine.plan(["w0"])  # a plan of one slot batch needs one slot
+        assert engine._ring_for(one, pool).count == 1
+    finally:
+        pool.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_device_copies_are_byte_exact(small_checkpoint):
