@@ -1,7 +1,7 @@
 """The embedded engine's host buffers, and the page-locked ones a process keeps across loads.
 
 :class:`HostBuffer` is private anonymous memory that Run:ai writes into (a ring slot, an oversized
-tensor's buffer, or, for safe CPU tensors, memory handed to the caller).
+tensor's buffer in a CPU load, or, for safe CPU tensors, memory handed to the caller).
 
 :class:`PinnedPool` (issue 16, item 2). A load to a CUDA device page-locks its ring slots
 (``cudaHostRegister``) so that the copies run at the link rate; on an H200 host registering costs
@@ -16,10 +16,8 @@ and registering new ones. The rules:
   slots up to whole 2 MiB); it makes (and pins) new ones only for the rest;
 - the pool keeps the slots of the last load that ended and no others: idle slots of another size
   are unpinned and unmapped then, so idle pinned memory stays within one load's buffer budget;
-- an oversized tensor's dedicated buffer is page-locked when its copies start, and the pool keeps
-  the last one a load released (one at most) for the next tensor of exactly that size (an
-  embedding and an LM head often match, and so does the same tensor in the next load); a load
-  that needs another size releases it first, so a load never holds two oversized buffers;
+- a device load has no oversized buffer to keep: it reads an oversized tensor in parts through
+  its slots (``engine``), so the pool holds slots only;
 - idle slots are unpinned and unmapped after ``idle_s`` seconds (:data:`IDLE_S`) by a janitor
   thread that runs only while idle slots exist, and at :meth:`PinnedPool.close`.
 
@@ -107,7 +105,6 @@ class PinnedPool:
         self._lock = threading.Lock()
         self._idle: list[HostBuffer] = []  # page-locked, no load uses them; all of one size
         self._idle_since = 0.0
-        self._spare: HostBuffer | None = None  # the one idle page-locked oversized buffer
         self._pinned: set[int] = set()  # addresses page-locked through the pool
         self._janitor: threading.Thread | None = None
         self._wake = threading.Event()
@@ -130,31 +127,6 @@ class PinnedPool:
                     return buffer
         return None
 
-    def take_oversized(self, nbytes: int) -> HostBuffer | None:
-        """The idle oversized buffer if it is exactly ``nbytes``; otherwise it is released (the
-        caller makes one of its own: one oversized buffer at a time) and ``None``."""
-        with self._lock:
-            spare, self._spare = self._spare, None
-            if spare is not None and spare.nbytes == nbytes:
-                self.stats.reused += 1
-                self._count_idle()
-                return spare
-            self._count_idle()
-        self._release([spare] if spare is not None else [])
-        return None
-
-    def keep_oversized(self, buffer: HostBuffer) -> None:
-        """No copy out of ``buffer`` is in flight: keep it idle if it is page-locked (replacing the
-        one kept before)."""
-        if not self.is_pinned(buffer):
-            return
-        with self._lock:
-            stale, self._spare = self._spare, buffer
-            self._idle_since = self._clock()
-            self._count_idle()
-        self._release([stale] if stale is not None and stale is not buffer else [])
-        self._start_janitor()
-
     def pin(self, buffer: HostBuffer, device=None) -> bool:
         """Page-lock ``buffer`` once (a no-op for a slot the pool already pinned); whether it is.
 
@@ -175,7 +147,7 @@ class PinnedPool:
     def idle_ranges(self) -> dict[int, int]:
         """``{address: nbytes}`` of the idle page-locked slots (for leak checks)."""
         with self._lock:
-            return {b.address: b.nbytes for b in self._all_idle()}
+            return {b.address: b.nbytes for b in self._idle}
 
     def is_pinned(self, buffer: HostBuffer) -> bool:
         with self._lock:
@@ -201,10 +173,9 @@ class PinnedPool:
     def sweep(self) -> int:
         """Release the idle slots if they have been idle ``idle_s``; how many went."""
         with self._lock:
-            if not self._all_idle() or self._clock() - self._idle_since < self.idle_s:
+            if not self._idle or self._clock() - self._idle_since < self.idle_s:
                 return 0
-            stale = self._all_idle()
-            self._idle, self._spare = [], None
+            stale, self._idle = self._idle, []
             self._count_idle()
         self._release(stale)
         return len(stale)
@@ -212,14 +183,10 @@ class PinnedPool:
     def close(self) -> None:
         """Release every idle buffer now (a load still running gives its own back when it ends)."""
         with self._lock:
-            stale = self._all_idle()
-            self._idle, self._spare = [], None
+            stale, self._idle = self._idle, []
             self._count_idle()
         self._release(stale)
         self._wake.set()
-
-    def _all_idle(self) -> list[HostBuffer]:
-        return self._idle + ([self._spare] if self._spare is not None else [])
 
     def _release(self, buffers: list[HostBuffer]) -> None:
         for buffer in buffers:
@@ -230,9 +197,8 @@ class PinnedPool:
             self.pinner.unpin(buffer.address)  # the mapping goes with the last reference to it
 
     def _count_idle(self) -> None:
-        idle = self._all_idle()
-        self.stats.idle = len(idle)
-        self.stats.idle_bytes = sum(b.nbytes for b in idle)
+        self.stats.idle = len(self._idle)
+        self.stats.idle_bytes = sum(b.nbytes for b in self._idle)
 
     def _start_janitor(self) -> None:
         with self._lock:
@@ -249,7 +215,7 @@ class PinnedPool:
                 self.sweep()
             finally:
                 with self._lock:
-                    if not self._all_idle() or self._wake.is_set():
+                    if not self._idle or self._wake.is_set():
                         self._janitor = None
                         return
 

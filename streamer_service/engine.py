@@ -16,7 +16,9 @@ Buffers:
   linger in the RSS).
 - An oversized tensor gets a dedicated buffer of its own; at most one is
   engine-owned at a time, so buffer memory stays within ``budget`` plus one
-  oversized tensor. ``stats.peak_buffer_bytes`` measures exactly that.
+  oversized tensor. ``stats.peak_buffer_bytes`` measures exactly that. A
+  device load has none: its oversized tensors pass through ring slots in
+  parts (below).
 
 In flight: batches are submitted in plan order as long as a buffer is free,
 so up to ``budget // slot_bytes`` Run:ai submissions (plus one oversized) run
@@ -43,11 +45,12 @@ Delivery modes (DESIGN.md 3.6, safe by default):
   each batch's copies are queued ``non_blocking`` on the stream's own CUDA
   stream (:class:`streamer_client.cuda.PinnedCopier`), overlapping the reads
   into other slots, and the caller's current stream waits for them before the
-  first tensor is yielded. A slot (or oversized buffer) goes back to the ring
-  only once its copies have completed. Oversized buffers are page-locked too
-  (a pageable copy runs at 8 GB/s on an H200 host: 0.13 s of a 0.63 s load
-  for a 1 GiB embedding), and the pool keeps the last one for a tensor of the
-  same size.
+  first tensor is yielded. A slot goes back to the ring only once its copies
+  have completed. An oversized tensor is read in parts of a slot each, each
+  part copied to its place in the device tensor, which is yielded with its
+  last part: no host buffer of its size is made, filled and page-locked (for
+  a 1 GiB embedding that was a fresh GiB faulted in and pinned by every first
+  load: InstantTensor stages through 96 MiB).
 - ``borrowed=True``: zero-copy CPU views into the ring, valid only until the
   next item is requested. When a slot is about to be reused, every view
   handed out from it must be gone; if the caller kept one,
@@ -77,7 +80,7 @@ from streamer_client.leases import Leases
 from .buffers import HostBuffer, PinnedPool, pinned_pool
 from .catalog import Catalog
 from .header import TensorInfo
-from .plan import DEFAULT_ALIGN, Batch, BatchKind, Placement, Plan, build_plan
+from .plan import DEFAULT_ALIGN, Batch, BatchKind, FileRange, Placement, Plan, build_plan
 from .plan import select as select_tensors
 from .pipeline import Load, LoadStats, Pipeline
 from .ring import Ring
@@ -116,6 +119,9 @@ class EngineConfig:
         if self.align <= 0 or self.align & (self.align - 1) or mmap.PAGESIZE % self.align:
             # Buffers are page-aligned mmaps, so congruence holds for any power of two up to a page.
             raise ConfigError(f"alignment must be a power of two dividing {mmap.PAGESIZE}, got {self.align!r}")
+        if self.slot_size < self.align:
+            # A device load reads an oversized tensor in parts of a slot, each but the first aligned.
+            raise ConfigError(f"slot size must be at least the alignment ({self.align} bytes), got {self.slot_size!r}")
 
     @classmethod
     def from_settings(cls, settings: Settings) -> EngineConfig:
@@ -220,7 +226,8 @@ class EmbeddedEngine:
     def _run(self, plan: Plan, device: torch.device, borrowed: bool) -> Iterator[tuple[str, torch.Tensor]]:
         verify = self._versions.check if self._versions is not None else None
         pool = (self._pool or pinned_pool()) if device.type == "cuda" else None
-        stream = _Stream(self.uri, plan, self._ring_for(plan, pool), self.stats, device, borrowed, verify)
+        plan, ring = self._ring_for(plan, pool)
+        stream = _Stream(self.uri, plan, ring, self.stats, device, borrowed, verify)
         try:
             with self._open_reader() as reader:
                 yield from stream.run(reader)
@@ -230,17 +237,26 @@ class EmbeddedEngine:
             if self._versions is not None:
                 self._versions.close()
 
-    def _ring_for(self, plan: Plan, pool: PinnedPool | None) -> _Ring:
-        slot_batches = sum(b.kind is BatchKind.SLOT and b.buffer_bytes > 0 for b in plan.batches)
+    def _ring_for(self, plan: Plan, pool: PinnedPool | None) -> tuple[Plan, _Ring]:
+        """The plan as this load reads it, and its ring (``pool``: a device load's page-locked slots)."""
         slot_bytes = plan.slot_bytes
-        if slot_bytes and pool is not None:
+        if pool is not None:
+            slot_bytes = self._device_slot_bytes(plan)
+            plan = _in_parts(plan, slot_bytes)
+        slot_batches = sum(b.kind is BatchKind.SLOT and b.buffer_bytes > 0 for b in plan.batches)
+        count = min(self.config.budget // slot_bytes, slot_batches) if slot_bytes else 0
+        if pool is not None and count:
+            count = min(count, max(2, DEVICE_RING_BYTES // slot_bytes))  # two: one filling, one copying
+        return plan, _Ring(slot_bytes, count, self.stats, pool)
+
+    def _device_slot_bytes(self, plan: Plan) -> int:
+        # Oversized tensors pass through the slots in parts: then slots are as large as allowed.
+        slot_bytes = self.config.slot_size if plan.oversized_bytes else plan.slot_bytes
+        if slot_bytes:
             # Whole 2 MiB, so that the next load's slots have the same size and the pinned pool's
             # idle slots fit it; never past the slot size (so never past the budget).
             slot_bytes = max(slot_bytes, min(-(-slot_bytes // _SLOT_GRANULE) * _SLOT_GRANULE, self.config.slot_size))
-        count = min(self.config.budget // slot_bytes, slot_batches) if slot_bytes else 0
-        if pool is not None:
-            count = min(count, max(2, DEVICE_RING_BYTES // slot_bytes))  # two: one filling, one copying
-        return _Ring(slot_bytes, count, self.stats, pool)
+        return slot_bytes
 
     def _open_reader(self) -> NativeReader:
         # The filesystem strategy means nothing to object storage; leave Run:ai's state untouched there.
@@ -252,6 +268,47 @@ class EmbeddedEngine:
 
     def __repr__(self) -> str:
         return f"EmbeddedEngine({self.uri.normalized!r}, {self.config}, {self.stats})"
+
+
+# --------------------------------------------------------------------------- oversized tensors in parts
+
+
+@dataclass(frozen=True)
+class _Part(Placement):
+    """Bytes ``[start, start + nbytes)`` of an oversized tensor, alone in a slot batch (device loads)."""
+
+    start: int
+    nbytes: int
+
+    @property
+    def last(self) -> bool:
+        return self.start + self.nbytes == self.tensor.nbytes
+
+
+def _in_parts(plan: Plan, slot_bytes: int) -> Plan:
+    """``plan`` with each oversized tensor as consecutive slot batches of at most ``slot_bytes``.
+
+    Every part but the first starts at an aligned file offset, so its range needs no pad; the
+    first keeps the pad that makes its buffer offset congruent to its file offset (plan module).
+    """
+    if not plan.oversized_bytes:
+        return plan
+    step = slot_bytes // plan.align * plan.align  # at least one alignment unit (EngineConfig)
+    batches: list[Batch] = []
+    for batch in plan.batches:
+        if batch.kind is not BatchKind.OVERSIZED:
+            batches.append(batch)
+            continue
+        tensor = batch.placements[0].tensor
+        start = 0
+        while start < tensor.nbytes:
+            offset = tensor.offset + start
+            pad = offset % plan.align
+            nbytes = min(step - pad, tensor.nbytes - start)
+            part = _Part(tensor, pad, start, nbytes)
+            batches.append(Batch(BatchKind.SLOT, (FileRange(tensor.file, offset, nbytes, pad),), (part,), pad + nbytes))
+            start += nbytes
+    return Plan(tuple(batches), plan.slot_size, plan.align)
 
 
 # --------------------------------------------------------------------------- buffers
@@ -286,22 +343,16 @@ class _Ring:
 
     def acquire_oversized(self, nbytes: int) -> HostBuffer | None:
         """A dedicated buffer for an oversized tensor, or ``None`` while another one is out."""
-        buffer = self._ring.take(functools.partial(self._new_oversized, nbytes), oversized=True)
+        # CPU loads only: a device load reads oversized tensors in parts through its slots.
+        buffer = self._ring.take(functools.partial(HostBuffer, nbytes), oversized=True)
         if buffer is not None:
             self._stats.allocated(nbytes)
         return buffer
 
-    def _new_oversized(self, nbytes: int) -> HostBuffer:
-        buffer = self.pool.take_oversized(nbytes) if self.pool is not None else None
-        return buffer if buffer is not None else HostBuffer(nbytes)
-
     def release_oversized(self, buffer: HostBuffer) -> None:
-        """The oversized buffer is handed over (CPU) or copied (device): no longer ours. A device
-        load's goes to the pool, still page-locked, as its one idle oversized buffer."""
+        """The oversized buffer is handed over to the caller: no longer ours."""
         self._stats.released(buffer.nbytes)
         self._ring.give(buffer, oversized=True)
-        if self.pool is not None:
-            self.pool.keep_oversized(buffer)
 
     def release(self, slot: _Slot, in_hand: weakref.ref | None) -> None:
         """Take a delivered slot back; refuse (and never reuse it) while borrowed views live.
@@ -351,7 +402,8 @@ class _Stream:
         self._device = device
         self._borrowed = borrowed
         self._plan = plan
-        self._oversized: HostBuffer | None = None  # the one engine-owned dedicated buffer
+        self._oversized: HostBuffer | None = None  # the one engine-owned dedicated buffer (CPU loads)
+        self._partial: torch.Tensor | None = None  # a device tensor arriving in parts
         self._in_hand: weakref.ref | None = None
         self._copier = PinnedCopier(device) if device.type == "cuda" else None
         # Safe CPU tensors are views over a buffer the caller keeps (no copy out of a reused slot).
@@ -370,6 +422,7 @@ class _Stream:
 
     def close(self) -> None:
         copier, self._copier = self._copier, None
+        self._partial = None
         try:
             if copier is not None:
                 copier.close()  # waits for copies in flight, recycles their buffers
@@ -418,29 +471,39 @@ class _Stream:
             self._oversized = None
 
     def _deliver_to_device(self, load: Load) -> Iterator[tuple[str, torch.Tensor]]:
-        """Queue every copy of the batch, fence them, hand the buffer back once they completed."""
+        """Queue every copy of the batch, fence them, hand the slot back once they completed."""
         copier = self._copier
         if load.buffer is not None:
-            # Once per buffer and process: a lookup after that. The oversized one too: pinning it
-            # and copying at the link rate beats a pageable copy (8 GB/s) even the first time, and
-            # the pool keeps it for the next load.
-            self._ring.pool.pin(load.buffer, self._device)
-        copies = deque((p.tensor.name, self._materialize(load, p)) for p in load.batch.placements)
+            self._ring.pool.pin(load.buffer, self._device)  # once per slot and process: a lookup after that
+        copies: deque[tuple[str, torch.Tensor]] = deque()
+        for placement in load.batch.placements:
+            if isinstance(placement, _Part):
+                tensor = self._copy_part(load, placement)
+                if tensor is not None:  # its last part
+                    copies.append((placement.tensor.name, tensor))
+            else:
+                copies.append((placement.tensor.name, self._materialize(load, placement)))
         fence = copier.fence()  # the caller's stream waits for these copies; the host does not
         if load.token is not None:
             copier.release_after(functools.partial(self._ring.release, load.token, None), fence)
-        elif load.batch.kind is BatchKind.OVERSIZED:
-            copier.release_after(functools.partial(self._drop_oversized, load.buffer), fence)
         while copies:
             name, tensor = copies.popleft()
             self._stats.tensors += 1
             yield name, tensor
             del tensor
 
-    def _drop_oversized(self, buffer: HostBuffer) -> None:
-        if self._oversized is buffer:
-            self._ring.release_oversized(buffer)
-            self._oversized = None
+    def _copy_part(self, load: Load, part: _Part) -> torch.Tensor | None:
+        """Queue one part's copy to its place in the device tensor; the tensor with its last part."""
+        info = part.tensor
+        if part.start == 0:
+            self._partial = self._copier.empty(torch_dtype(info.dtype), info.shape)
+        view = load.buffer.view(part.buffer_offset, part.nbytes)
+        self._copier.copy_into(torch.from_numpy(view), self._partial, part.start)
+        self._stats.bytes_copied += part.nbytes
+        if not part.last:
+            return None
+        tensor, self._partial = self._partial, None
+        return tensor
 
     def _materialize(self, load: Load, placement: Placement) -> torch.Tensor:
         info = placement.tensor

@@ -109,17 +109,6 @@ def test_idle_slots_are_released_after_the_idle_time(pool, fake, clock):
     assert pool.stats.idle == 0 and pool.stats.pinned_bytes == 0
 
 
-def test_one_idle_oversized_buffer_is_kept_for_the_next_of_its_size(pool, fake):
-    embed = HostBuffer(256 * KIB)
-    assert pool.take_oversized(256 * KIB) is None and pool.pin(embed)
-    pool.keep_oversized(embed)
-    assert pool.take_oversized(256 * KIB) is embed, "same size: taken again, already page-locked"
-    pool.keep_oversized(embed)
-    assert pool.take_oversized(512 * KIB) is None, "another size: made anew"
-    assert registered_ranges() == {} and pool.stats.idle == 0, "and the idle one released first"
-    assert fake.calls == ["register", "unregister"] and pool.stats.reused == 1
-
-
 def test_released_slots_are_unmapped(pool):
     import weakref
 

@@ -467,25 +467,40 @@ class PinnedCopier:
         wait for it), and ``host`` 's memory must stay untouched until the copy has completed
         (:meth:`release_after`). The result is owned: nothing reuses its memory.
         """
-        if self._closed:
-            raise RuntimeError("PinnedCopier is closed")
         if isinstance(dtype, str):
             from .dtypes import torch_dtype
 
             dtype = torch_dtype(dtype)
         shape = tuple(int(d) for d in shape)
-        nbytes = _nbytes(dtype, shape)
-        _check_host(host, nbytes)
-        out = torch.empty(shape, dtype=dtype, device=self.device)  # on the current (consumer) stream
+        _check_host(host, _nbytes(dtype, shape))
+        out = self.empty(dtype, shape)
+        self.copy_into(host, out, 0)
+        return out
+
+    def empty(self, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+        """A new owned tensor on the device, for :meth:`copy_into` to fill (on the current stream)."""
+        if self._closed:
+            raise RuntimeError("PinnedCopier is closed")
+        return torch.empty(tuple(int(d) for d in shape), dtype=dtype, device=self.device)
+
+    def copy_into(self, host: torch.Tensor, out: torch.Tensor, offset: int) -> None:
+        """Queue the copy of ``host`` 's bytes into bytes ``[offset, offset + len(host))`` of ``out``
+        (a tensor from :meth:`empty`): a tensor larger than any host buffer arrives in parts. Same
+        rules as :meth:`copy`: use ``out`` after :meth:`fence`, keep ``host`` until the copy completed."""
+        if self._closed:
+            raise RuntimeError("PinnedCopier is closed")
+        nbytes = host.numel()
+        target = out.reshape(-1).view(torch.uint8)[offset : offset + nbytes]
+        _check_host(host, target.numel())
         if nbytes == 0:
-            return out
+            return
         if not self._issued:
             # The allocator may have handed us a block whose last user is still queued on the
             # consumer's stream: copy only after that work.
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             self._issued = True
         with torch.cuda.stream(self.stream):
-            out.reshape(-1).view(torch.uint8).copy_(host, non_blocking=True)
+            target.copy_(host, non_blocking=True)
         stats = self._stats
         stats.copies += 1
         stats.bytes += nbytes
@@ -493,7 +508,6 @@ class PinnedCopier:
             stats.pinned_bytes += nbytes
         else:
             stats.pageable_bytes += nbytes
-        return out
 
     def fence(self) -> Fence:
         """Mark the copies issued so far: the current stream waits for them (no host blocking).
