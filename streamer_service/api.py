@@ -196,6 +196,8 @@ def create_app(settings: Settings) -> FastAPI:
             "shm_budget": d.budget.limit,
             "shm_page_size": pages.size,  # docs/deploy.md, "Huge-page segments"
             "shm_pages": pages.source,
+            "segments_prepared": d.pool.prepared,  # docs/deploy.md, "Segments made at start"
+            "segments_preparing": d.pool.preparing,
             "read_parallelism": read_parallelism_in_force(settings),  # docs/configuration.md, "Read parallelism"
         }
 

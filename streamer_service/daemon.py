@@ -24,6 +24,7 @@ from .resident import ResidentStore
 from .runai import check_credentials, storage_environment
 from .ledger import UNFINISHED, RankStatus
 from .session import Session, SessionState
+from .session_buffers import MAX_RING_SLOTS
 from .settings import Settings
 from .shm import SegmentPool, SegmentStore, ShmBudget, small_pages_advice
 from .stats import DaemonStats, SessionSummary
@@ -106,10 +107,15 @@ class Daemon:
         self.store = SegmentStore(Path(self.settings.shm_dir), 0o640 if self.settings.group_access else 0o600)
         self.store.open()  # sweeps what daemons that are gone left behind
         self.pool = SegmentPool(self.store, self.budget, self.settings.segment_idle_s)
+        if self.settings.segment_prepare and self.settings.segment_idle_s > 0 and not self.resident.enabled:
+            # The first load's ring, made now: a fresh daemon's first load otherwise pays the
+            # zero-fill and mapping of every segment on its own thread (issue 16, docs/deploy.md).
+            self.pool.start_preparing(self.slot_size, min(self.budget.limit // self.slot_size, MAX_RING_SLOTS))
         if not self._allow:
             log.warning("no --allow prefixes: this daemon will read any URI its credentials reach")
         self._reaper = threading.Thread(target=self._reap_loop, name="reaper", daemon=True)
         self._reaper.start()
+        threading.Thread(target=_preload_native_reader, name="runai-preload", daemon=True).start()
         pages = self.store.pages
         log.info(
             "daemon ready: shm %s (budget %d bytes, slots of %d, %d KiB pages: %s), cache %s",
@@ -352,8 +358,20 @@ class Daemon:
             shm_page_size=self.store.pages.size if self.store is not None else 0,
             segments_idle=self.pool.idle,
             segments_reused=self.pool.reused,
+            segments_prepared=self.pool.prepared,
             bytes_read=self.bytes_read + sum(s.bytes_read for s in active),
             resident=self.resident.stats(),
             sessions=active,
             finished=finished,
         )
+
+
+def _preload_native_reader() -> None:
+    """Import Run:ai's native reader now, not in the first load: its package imports torch on the
+    way (2.3 s of a fresh daemon's first load on a 2-core VM, docs/benchmarks.md "Daemon first load")."""
+    from .runai.contract import load_native
+
+    try:
+        load_native()
+    except Exception as exc:  # noqa: BLE001 - the first load that needs it raises it as a ConfigError
+        log.debug("Run:ai's native reader not preloaded: %s", exc)

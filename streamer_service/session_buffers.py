@@ -10,7 +10,9 @@ and when (its state machine). Two kinds of segment:
   ends, where the next session of any checkpoint can reuse them.
 - **Kept segments** (a retention budget with room for the load): one segment of the batch's
   exact size per batch, paid by a claim on the resident store; once loaded, the resident copy
-  owns it and serves later loads from it (``resident``).
+  owns it and serves later loads from it (``resident``). They are made ahead of need, up to
+  ``KEPT_AHEAD`` at a time on the store's maker threads, while Run:ai reads into the ones before
+  (the claim already pays for every one of them, so making them early takes nothing more).
 
 Locking: ``lock`` is the session's condition; every method that changes the segment list takes
 it. :meth:`acquire` zero-fills a new segment outside it (``Ring.take``).
@@ -18,19 +20,22 @@ it. :meth:`acquire` zero-fills a new segment outside it (``Ring.take``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from .catalog import TensorInfo
 from .plan import Batch, BatchKind, Placement, Plan
 from .resident import ResidentCopy, ResidentStore
 from .ring import Ring
-from .shm import Reservation, Segment, SegmentPool
+from .shm import CREATE_WORKERS, Reservation, Segment, SegmentPool
 
-__all__ = ["MAX_RING_SLOTS", "SegmentSlot", "SessionBuffers"]
+__all__ = ["KEPT_AHEAD", "MAX_RING_SLOTS", "SegmentSlot", "SessionBuffers"]
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +43,10 @@ log = logging.getLogger(__name__)
 # every segment is zero-filled by fallocate here and page-locked by each CUDA rank (0.11 s/GiB on
 # an H200 host), which a 16-slot ring of 4 GiB paid on every load (docs/benchmarks.md).
 MAX_RING_SLOTS = 6
+
+# Kept segments being made or ready ahead of the batch that needs them: one per maker thread, and
+# as many again ready, so the makers never wait for the pipeline to ask.
+KEPT_AHEAD = 2 * CREATE_WORKERS
 
 
 @dataclass(eq=False)
@@ -73,6 +82,8 @@ class SessionBuffers:
         self._slots: list[SegmentSlot] = []  # every live segment of this session
         self._copy: ResidentCopy | None = None  # the resident copy of this checkpoint generation
         self._claimed = 0  # resident bytes claimed for this session's own segments
+        self._upcoming: deque[Batch] = deque()  # batches still to get a kept segment, in plan order
+        self._ahead: deque[tuple[Batch, Future[Segment]]] = deque()  # kept segments on their way
 
     # ------------------------------------------------------------------ the resident copy
 
@@ -106,6 +117,8 @@ class SessionBuffers:
         need = sum(self._pool.store.pages.round(b.buffer_bytes) for b in plan.batches if b.ranges)  # whole pages
         if self._copy is not None and need and self._resident.claim(self._copy, need):
             self._claimed = need
+            self._upcoming.extend(b for b in plan.batches if b.ranges)  # the pipeline's order of acquire
+            self._make_ahead()
         elif self._copy is not None and need:
             log.info("session %s: %d bytes to load do not fit the retention budget; streaming through the ring", session, need)
         slot_batches = sum(b.kind is BatchKind.SLOT and b.buffer_bytes > 0 for b in plan.batches)
@@ -116,10 +129,22 @@ class SessionBuffers:
         """A segment for ``batch``: a kept one, a free ring slot, a new one while the ring may grow,
         or none (wait for a release)."""
         oversized = batch.kind is BatchKind.OVERSIZED
-        if self._claimed:  # the claim pays: a segment of the batch's exact size
-            return self._add(SegmentSlot(self._pool.store.create(batch.buffer_bytes), None, oversized))
+        if self._claimed:  # the claim pays: a segment of the batch's exact size, made ahead
+            return self._add(SegmentSlot(self._kept_segment(batch), None, oversized))
         nbytes = batch.buffer_bytes if oversized else self._slot_size
         return self._ring.take(functools.partial(self._new_slot, nbytes, oversized), oversized=oversized)
+
+    def _kept_segment(self, batch: Batch) -> Segment:
+        if self._ahead and self._ahead[0][0] is batch:
+            future = self._ahead.popleft()[1]
+            self._make_ahead()
+            return future.result()  # a full shm dir: the ConfigError of Segment, raised here
+        return self._pool.store.create(batch.buffer_bytes)  # not a batch of the plan's order
+
+    def _make_ahead(self) -> None:
+        while self._upcoming and len(self._ahead) < KEPT_AHEAD:
+            batch = self._upcoming.popleft()
+            self._ahead.append((batch, self._pool.store.create_soon(batch.buffer_bytes)))
 
     def _new_slot(self, nbytes: int, oversized: bool) -> SegmentSlot | None:
         got = self._pool.take(nbytes, oversized=oversized)
@@ -155,6 +180,11 @@ class SessionBuffers:
         with self._lock:
             slots, self._slots = self._slots, []
             self._ring.drain()
+        ahead, self._ahead = self._ahead, deque()
+        self._upcoming.clear()
+        for _, future in ahead:  # made for batches the load never reached
+            with contextlib.suppress(Exception):
+                future.result().close()
         for slot in slots:
             if not slot.kept:
                 self._pool.give(slot.segment, slot.reservation, keep=True, now=self._clock())

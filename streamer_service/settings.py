@@ -168,6 +168,12 @@ class Settings(BaseSettings):
     segment_idle_s: float = Field(default=30.0, ge=0)
     """How long the daemon keeps an unused shared-memory segment for the next load (0: never)."""
 
+    segment_prepare: bool = True
+    """Make the ring's segments (up to 6 slots, within ``shm_budget``) when the daemon starts, in the
+    background, and keep them for the first load however late it comes (docs/deploy.md, "Segments
+    made at start"). Only with ``segment_idle_s`` > 0 and no retention budget (a retained load uses
+    segments of its own). Off: the first load makes its segments itself."""
+
     join_timeout_s: float = Field(default=300.0, gt=0)
     """How long the ranks of a session have to join before the daemon gives up on it."""
 

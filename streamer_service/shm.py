@@ -45,6 +45,8 @@ import os
 import re
 import secrets
 import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +65,11 @@ _NAME_RE = re.compile(r"^streamer-(\d+)-[0-9a-f]+-\d+$")
 
 
 SMALL_PAGE = mmap.PAGESIZE
+
+# Threads that make segments ahead of need (``SegmentStore.create_soon``). posix_fallocate zero-fills
+# and MAP_POPULATE maps a segment on one thread; both release the GIL, so segments made side by side
+# on a many-core host take the time of one (the reads they overlap have cores of their own).
+CREATE_WORKERS = max(1, min(4, os.cpu_count() or 1))
 _THP_SHMEM = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
 _THP_PMD_SIZE = Path("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size")
 
@@ -256,6 +263,7 @@ class SegmentStore:
         self._counter = 0
         self._lock = threading.Lock()
         self._dir_fd: int | None = None
+        self._makers: ThreadPoolExecutor | None = None
 
     def open(self) -> list[str]:
         """Sweep the segments of daemons that are gone, then mark the dir as used by this one
@@ -273,6 +281,10 @@ class SegmentStore:
 
     def close(self) -> None:
         """This daemon no longer uses the dir (its segments are gone)."""
+        with self._lock:
+            makers, self._makers = self._makers, None
+        if makers is not None:
+            makers.shutdown(wait=True)  # every segment made is in someone's hands before we go
         fd, self._dir_fd = self._dir_fd, None
         if fd is not None:
             os.close(fd)
@@ -283,6 +295,14 @@ class SegmentStore:
             self._counter += 1
             name = f"{self.prefix}{self._counter}"
         return Segment(name, self.shm_dir / name, self.pages.round(nbytes), self.mode, self.pages)
+
+    def create_soon(self, nbytes: int) -> Future[Segment]:
+        """:meth:`create` on one of ``CREATE_WORKERS`` threads; the future's result is the segment, or
+        the same errors (a full dir is a ``ConfigError``). Whoever asked owns it: close it if unused."""
+        with self._lock:
+            if self._makers is None:
+                self._makers = ThreadPoolExecutor(CREATE_WORKERS, thread_name_prefix="segment-maker")
+            return self._makers.submit(self.create, nbytes)
 
     def leftovers(self) -> list[Path]:
         """Segments of this instance still in the shm dir (tests assert none after a session)."""
@@ -297,6 +317,11 @@ class SegmentPool:
     allocated, so the load skips the zero-fill (about 60 ms per 256 MiB) and the first-touch
     faults (DESIGN.md 3: "slots recycle"). Idle segments count against the budget; a request
     that does not fit evicts them first. ``idle_s = 0`` keeps nothing.
+
+    Prepared segments (:meth:`start_preparing`, when the daemon starts): ring segments made ahead
+    of the first load, in parallel and off any load's thread, so that the first load finds them
+    as a later load finds the last one's. They wait for that first load however late it comes;
+    from its first request on, they are idle segments like any other.
     """
 
     def __init__(self, store: SegmentStore, budget: ShmBudget, idle_s: float) -> None:
@@ -304,50 +329,111 @@ class SegmentPool:
         self.budget = budget
         self.idle_s = idle_s
         self.reused = 0
-        self._idle: list[tuple[Segment, Reservation, float]] = []
-        self._lock = threading.Lock()
+        self.prepared = 0  # segments made by start_preparing
+        # (segment, reservation, idle since); since None: prepared, waiting for the first load
+        self._idle: list[tuple[Segment, Reservation, float | None]] = []
+        self._making = 0  # prepared segments on their way, of ``_making_size`` bytes
+        self._making_size = 0
+        self._closed = False
+        self._preparer: threading.Thread | None = None
+        self._lock = threading.Condition()
+
+    def start_preparing(self, nbytes: int, count: int) -> None:
+        """Make up to ``count`` idle segments of ``nbytes`` in the background, within the budget."""
+        nbytes = self.store.pages.round(nbytes)
+        reservations = []
+        while len(reservations) < count:
+            reservation = self.budget.try_take(nbytes)
+            if reservation is None:
+                break
+            reservations.append(reservation)
+        if not reservations:
+            return
+        with self._lock:
+            self._making, self._making_size = len(reservations), nbytes
+        self._preparer = threading.Thread(target=self._prepare, args=(nbytes, reservations), name="segment-preparer", daemon=True)
+        self._preparer.start()
+
+    def _prepare(self, nbytes: int, reservations: list[Reservation]) -> None:
+        made = [(self.store.create_soon(nbytes), r) for r in reservations]
+        failure = None
+        for future, reservation in made:
+            try:
+                segment = future.result()
+            except Exception as exc:  # noqa: BLE001 - a load that needs the room says it as a ConfigError
+                segment, failure = None, failure or exc
+            with self._lock:
+                self._making -= 1
+                if segment is not None and not self._closed:
+                    self._idle.append((segment, reservation, None))
+                    self.prepared += 1
+                    segment = reservation = None
+                self._lock.notify_all()
+            if segment is not None:
+                segment.close()
+            if reservation is not None:
+                self.budget.give_back(reservation)
+        if failure is not None:
+            log.warning("prepared %d of %d shared-memory segments for the first load: %s", self.prepared, len(made), failure)
+        else:
+            log.info("prepared %d shared-memory segments of %d bytes for the first load", self.prepared, nbytes)
 
     def take(self, nbytes: int, *, oversized: bool = False) -> tuple[Segment, Reservation] | None:
         """A segment of ``nbytes`` (in whole huge pages where the dir has them): an idle one, or a
-        new one if the budget allows; else None."""
+        new one if the budget allows; else None. Waits for a prepared one of that size on its way."""
         nbytes = self.store.pages.round(nbytes)
         with self._lock:
-            for i, (segment, reservation, _) in enumerate(self._idle):
-                # An oversized batch takes an idle segment of its exact size too: a reload of the same
-                # checkpoint skips the zero-fill and first touch of its largest tensors (0.4 s/GiB
-                # on 4 KiB pages on an H200 host, issue 16).
-                if segment.nbytes == nbytes:
-                    del self._idle[i]
-                    self.reused += 1
-                    return segment, reservation
+            # The first load has started: prepared segments it leaves are idle like any other from now.
+            self._idle = [(s, r, time.monotonic() if since is None else since) for s, r, since in self._idle]
+            while True:
+                for i, (segment, reservation, _) in enumerate(self._idle):
+                    # An oversized batch takes an idle segment of its exact size too: a reload of the same
+                    # checkpoint skips the zero-fill and first touch of its largest tensors (0.4 s/GiB
+                    # on 4 KiB pages on an H200 host, issue 16).
+                    if segment.nbytes == nbytes:
+                        del self._idle[i]
+                        self.reused += 1
+                        return segment, reservation
+                if not (self._making and self._making_size == nbytes):
+                    break
+                self._lock.wait()  # it holds budget this request would otherwise not find
         reservation = self.budget.try_take(nbytes, oversized=oversized)
         if reservation is None and self._evict_idle():
             reservation = self.budget.try_take(nbytes, oversized=oversized)
         if reservation is None:
             return None
         try:
-            return self.store.create(nbytes), reservation
+            try:
+                return self.store.create(nbytes), reservation
+            except ConfigError:  # a shm dir smaller than the budget: idle segments never stand in the way
+                if not self._evict_idle():
+                    raise
+                return self.store.create(nbytes), reservation
         except BaseException:
             self.budget.give_back(reservation)
             raise
 
     def give(self, segment: Segment, reservation: Reservation, *, keep: bool, now: float) -> None:
         """Return a segment no session uses; ``keep`` it idle for reuse, or unlink it now."""
-        if keep and self.idle_s > 0 and not reservation.beyond_budget:
-            with self._lock:
+        with self._lock:
+            if keep and self.idle_s > 0 and not reservation.beyond_budget:
                 self._idle.append((segment, reservation, now))
-            return
+                return
         segment.close()
         self.budget.give_back(reservation)
 
     def trim(self, now: float) -> None:
-        """Unlink segments idle for longer than ``idle_s``."""
+        """Unlink segments idle for longer than ``idle_s`` (prepared ones wait for the first load)."""
         with self._lock:
-            stale = [e for e in self._idle if now - e[2] >= self.idle_s]
-            self._idle = [e for e in self._idle if now - e[2] < self.idle_s]
+            stale = [e for e in self._idle if e[2] is not None and now - e[2] >= self.idle_s]
+            self._idle = [e for e in self._idle if e[2] is None or now - e[2] < self.idle_s]
         self._close(stale)
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        if self._preparer is not None:
+            self._preparer.join()
         with self._lock:
             idle, self._idle = self._idle, []
         self._close(idle)
@@ -357,13 +443,18 @@ class SegmentPool:
         with self._lock:
             return len(self._idle)
 
+    @property
+    def preparing(self) -> bool:
+        with self._lock:
+            return self._making > 0
+
     def _evict_idle(self) -> bool:
         with self._lock:
             idle, self._idle = self._idle, []
         self._close(idle)
         return bool(idle)
 
-    def _close(self, entries: list[tuple[Segment, Reservation, float]]) -> None:
+    def _close(self, entries: list[tuple[Segment, Reservation, float | None]]) -> None:
         for segment, reservation, _ in entries:
             segment.close()
             self.budget.give_back(reservation)

@@ -9,7 +9,7 @@ that read another daemon's stats (the demo, the benchmarks) parse that JSON back
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 
 __all__ = ["DaemonStats", "RankSummary", "ResidentStats", "SessionSummary"]
 
@@ -78,6 +78,7 @@ class DaemonStats:
     resident: ResidentStats
     sessions: tuple[SessionSummary, ...] = field(default_factory=tuple)  # joining or streaming
     finished: tuple[SessionSummary, ...] = field(default_factory=tuple)  # ended, newest last
+    segments_prepared: int = 0  # made at start for the first load (SegmentPool.start_preparing)
 
     def to_json(self) -> dict:
         resident = asdict(self.resident)
@@ -89,6 +90,7 @@ class DaemonStats:
             "shm_page_size": self.shm_page_size,
             "segments_idle": self.segments_idle,
             "segments_reused": self.segments_reused,
+            "segments_prepared": self.segments_prepared,
             "bytes_read": self.bytes_read,
             **resident,
             "sessions": [s.to_json() for s in self.sessions],
@@ -101,7 +103,8 @@ class DaemonStats:
         resident = {f.name: body[f.name] for f in fields(ResidentStats)}
         resident["resident_checkpoints"] = tuple(resident["resident_checkpoints"])
         return cls(
-            **{f.name: body[f.name] for f in fields(cls) if f.name not in ("resident", "sessions", "finished")},
+            # A field with a default may be missing: a daemon of an earlier version (the benchmarks' baseline).
+            **{f.name: body[f.name] for f in fields(cls) if f.name not in ("resident", "sessions", "finished") and (f.name in body or f.default is MISSING)},
             resident=ResidentStats(**resident),
             sessions=tuple(SessionSummary.from_json(s) for s in body["sessions"]),
             finished=tuple(SessionSummary.from_json(s) for s in body["finished"]),

@@ -56,9 +56,18 @@ def test_cache_disk_full_is_a_cache_error_and_leaves_nothing_half_filled(sample,
         d.stop()
 
 
-def test_shm_smaller_than_the_budget_is_a_config_error_not_a_sigbus(sample, tmp_path):
+@pytest.mark.parametrize(
+    "env",
+    [
+        {},  # each segment made when the load needs it
+        {"STREAMER_SEGMENT_IDLE_S": "1"},  # the ring prepared at start: it fills the dir before any load
+        {"STREAMER_RETENTION_BUDGET": "64MiB"},  # kept segments made ahead of the batches that need them
+    ],
+    ids=["on-demand", "prepared-at-start", "retained-made-ahead"],
+)
+def test_shm_smaller_than_the_budget_is_a_config_error_not_a_sigbus(sample, tmp_path, env):
     d = DaemonProcess(
-        tmp_path, {"STREAMER_SLOT_SIZE": "1MiB", "STREAMER_RANK_TIMEOUT_S": "5"}, "--shm-budget", "64MiB",
+        tmp_path, {"STREAMER_SLOT_SIZE": "1MiB", "STREAMER_RANK_TIMEOUT_S": "5", **env}, "--shm-budget", "64MiB",
         tmpfs={tmp_path / "shm": "3m"},
     ).start()  # fmt: skip
     try:
@@ -69,7 +78,9 @@ def test_shm_smaller_than_the_budget_is_a_config_error_not_a_sigbus(sample, tmp_
         assert str(d.shm_dir) in result["error"]["message"]
         assert result["bad"] == []  # what was delivered before is whole
         assert d.finished()[-1]["state"] == "failed"
-        assert leftovers(d, tmp_path / "cache") == ([], [])
+        shm, half = leftovers(d, tmp_path / "cache", timeout=10 if not env.get("STREAMER_RETENTION_BUDGET") else 0)
+        # Nothing stays but the resident copy of the batches that were loaded (none without retention).
+        assert half == [] and sum((d.view(d.shm_dir) / name).stat().st_size for name in shm) == d.stats()["resident_bytes"]
         assert d.healthy()
     finally:
         d.stop()

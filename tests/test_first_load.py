@@ -1,0 +1,162 @@
+"""A fresh daemon's first load: segments made at start, and kept segments made ahead of need.
+
+In-process, as ``test_session``: real shared-memory segments, the fake reader of that module. The
+daemon-process side (a full shm dir while segments are prepared or made ahead) is in
+``test_processes``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from streamer_service.checkpoint import open_checkpoint
+from streamer_service.plan import build_plan
+from streamer_service.resident import ResidentStore
+from streamer_service.sample import build_sample
+from streamer_service.session import Session, SessionState
+from streamer_service.settings import Settings
+from streamer_service.shm import SegmentPool, SegmentStore, ShmBudget
+from test_session import FakeReader, _consume, _join_all, _truth
+
+SLOT = 512 * 1024
+
+
+class RecordingStore(SegmentStore):
+    """A real store that notes which thread made each segment (a spy: nothing is faked)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.made_by: list[str] = []
+
+    def create(self, nbytes: int):
+        self.made_by.append(threading.current_thread().name)
+        return super().create(nbytes)
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory):
+    src = tmp_path_factory.mktemp("first-load") / "ckpt"
+    build_sample(src, size_mb=4)
+    return src
+
+
+@pytest.fixture
+def node(tmp_path, checkpoint_dir):
+    shm = tmp_path / "segments"
+    shm.mkdir()
+    store = RecordingStore(shm)
+    store.open()
+    pools: list[SegmentPool] = []
+    checkpoint = open_checkpoint(str(checkpoint_dir), Settings(cache_dir=tmp_path / "cache"))
+
+    def pool(budget: int, idle_s: float = 30) -> SegmentPool:
+        pools.append(SegmentPool(store, ShmBudget(budget), idle_s))
+        return pools[-1]
+
+    def session(pool: SegmentPool, resident: ResidentStore | None = None) -> Session:
+        return Session(
+            "key", checkpoint, 1, slot_size=SLOT, pool=pool, join_timeout_s=60, on_end=lambda s: None,
+            resident=resident, reader_factory=lambda **k: FakeReader([], **k),
+        )  # fmt: skip
+
+    yield type("Node", (), {"pool": staticmethod(pool), "session": staticmethod(session), "store": store, "shm": shm,
+                            "checkpoint": checkpoint, "dir": checkpoint_dir})  # fmt: skip
+    for p in pools:
+        p.close()
+    store.close()
+    assert list(shm.iterdir()) == []  # closing the pool and the store leaves no segment behind
+
+
+def _prepared(pool: SegmentPool) -> None:
+    deadline = time.monotonic() + 60
+    while pool.preparing and time.monotonic() < deadline:  # a wait, not a timed assertion
+        time.sleep(0.01)
+    assert not pool.preparing
+
+
+def _load(node, pool, resident=None) -> Session:
+    session = node.session(pool, resident)
+    _join_all(session, [None])
+    got = _consume(session, 0, node.shm)
+    assert session.wait_ended(60) and session.state is SessionState.DONE
+    assert [n for n, _ in got] == [t.name for t in node.checkpoint.catalog.tensors]
+    assert all(data == _truth(node.checkpoint, n, node.dir) for n, data in got)
+    return session
+
+
+def test_a_fresh_daemons_first_load_takes_the_segments_prepared_at_start(node):
+    pool = node.pool(4 * SLOT)
+    pool.start_preparing(SLOT, 4)
+    _prepared(pool)
+    prepared = {p.name for p in node.shm.iterdir()}
+    assert pool.prepared == len(prepared) == 4 and pool.budget.in_use == 4 * SLOT
+    assert all(name.startswith("segment-maker") for name in node.store.made_by)  # not on a load's thread
+    made_before = len(node.store.made_by)
+
+    _load(node, pool)
+
+    oversized = build_plan(node.checkpoint.catalog.tensors, SLOT).oversized_bytes
+    # The load made no ring segment of its own: only a tensor larger than a slot got a new one.
+    assert len(node.store.made_by) - made_before <= sum(t.nbytes > SLOT for t in node.checkpoint.catalog.tensors)
+    assert pool.reused >= 1 and prepared <= {p.name for p in node.shm.iterdir()}  # the same files, kept idle
+    assert pool.budget.peak <= pool.budget.limit + oversized and pool.budget.in_use <= pool.budget.limit
+
+
+def test_prepared_segments_wait_for_the_first_load_then_go_once_idle(node):
+    pool = node.pool(4 * SLOT, idle_s=5)
+    pool.start_preparing(SLOT, 2)
+    _prepared(pool)
+    pool.trim(time.monotonic() + 10**6)
+    assert pool.idle == 2 and len(list(node.shm.iterdir())) == 2  # however late the first load comes
+    started = time.monotonic()
+    segment, reservation = pool.take(SLOT)  # the first load's first request
+    assert pool.reused == 1
+    pool.give(segment, reservation, keep=True, now=started + 1000)  # given back (much) later
+    pool.trim(started + 4.9)
+    assert pool.idle == 2
+    pool.trim(time.monotonic() + 5)  # idle_s after the first request: the untouched prepared one goes
+    assert pool.idle == 1
+    pool.trim(started + 1005)
+    assert pool.idle == 0 and pool.budget.in_use == 0 and list(node.shm.iterdir()) == []
+
+
+def test_preparing_stays_within_the_budget_and_a_load_waits_for_segments_on_their_way(node):
+    pool = node.pool(3 * SLOT)
+    pool.start_preparing(SLOT, 10)
+    got = pool.take(SLOT)  # the budget is all reserved for segments being made: one of them
+    assert got is not None and pool.reused == 1
+    _prepared(pool)
+    assert pool.prepared == 3 and pool.budget.in_use == pool.budget.peak == 3 * SLOT
+    assert len(list(node.shm.iterdir())) == 3
+    pool.give(*got, keep=False, now=0.0)
+
+
+def test_a_retained_load_makes_its_segments_ahead_and_keeps_exactly_what_it_filled(node):
+    pool = node.pool(4 * SLOT, idle_s=0)
+    resident = ResidentStore(64 * 2**20)
+    _load(node, pool, resident)
+    batches = len(node.store.made_by)
+    assert batches and all(name.startswith("segment-maker") for name in node.store.made_by)  # off the load's thread
+    stats = resident.stats()
+    files = list(node.shm.iterdir())
+    assert len(files) == batches and sum(f.stat().st_size for f in files) == stats.resident_bytes == resident.used
+    resident.close()
+
+
+def test_an_abandoned_retained_load_unlinks_the_segments_made_ahead_for_it(node):
+    pool = node.pool(4 * SLOT, idle_s=0)
+    resident = ResidentStore(64 * 2**20)
+    session = node.session(pool, resident)
+    _join_all(session, [None])
+    assert _consume(session, 0, node.shm, stop_after=1)
+    session.leave(0)
+    assert session.wait_ended(60) and session.state is SessionState.FAILED
+    files = list(node.shm.iterdir())
+    # Only the batches that were loaded stay (the resident copy's); the rest made ahead are gone.
+    assert sum(f.stat().st_size for f in files) == resident.stats().resident_bytes == resident.used
+    assert len(files) < len(node.store.made_by)
+    resident.close()
+    assert list(node.shm.iterdir()) == []
