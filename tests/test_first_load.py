@@ -15,11 +15,11 @@ import pytest
 from streamer_service.checkpoint import open_checkpoint
 from streamer_service.plan import build_plan
 from streamer_service.resident import ResidentStore
-from streamer_service.sample import build_sample
 from streamer_service.session import Session, SessionState
 from streamer_service.settings import Settings
 from streamer_service.shm import SegmentPool, SegmentStore, ShmBudget
 from test_session import FakeReader, _consume, _join_all, _truth
+from test_session import checkpoint_dir  # noqa: F401 - the fixture: the same 4 MB sample
 
 SLOT = 512 * 1024
 
@@ -36,21 +36,14 @@ class RecordingStore(SegmentStore):
         return super().create(nbytes)
 
 
-@pytest.fixture(scope="module")
-def checkpoint_dir(tmp_path_factory):
-    src = tmp_path_factory.mktemp("first-load") / "ckpt"
-    build_sample(src, size_mb=4)
-    return src
-
-
 @pytest.fixture
 def node(tmp_path, checkpoint_dir):
-    shm = tmp_path / "segments"
-    shm.mkdir()
+    """A daemon's segment store as in ``test_session``; the test makes its pools (budget, idle_s)."""
+    checkpoint = open_checkpoint(str(checkpoint_dir), Settings(cache_dir=tmp_path / "cache"))
+    pools: list[SegmentPool] = []
+    (shm := tmp_path / "segments").mkdir()
     store = RecordingStore(shm)
     store.open()
-    pools: list[SegmentPool] = []
-    checkpoint = open_checkpoint(str(checkpoint_dir), Settings(cache_dir=tmp_path / "cache"))
 
     def pool(budget: int, idle_s: float = 30) -> SegmentPool:
         pools.append(SegmentPool(store, ShmBudget(budget), idle_s))
