@@ -335,6 +335,7 @@ class SegmentPool:
         self._making = 0  # prepared segments on their way, of ``_making_size`` bytes
         self._making_size = 0
         self._closed = False
+        self._first_taken = False
         self._preparer: threading.Thread | None = None
         self._lock = threading.Condition()
 
@@ -365,7 +366,7 @@ class SegmentPool:
             with self._lock:
                 self._making -= 1
                 if segment is not None and not self._closed:
-                    self._idle.append((segment, reservation, None))
+                    self._idle.append((segment, reservation, time.monotonic() if self._first_taken else None))
                     self.prepared += 1
                     segment = reservation = None
                 self._lock.notify_all()
@@ -384,6 +385,7 @@ class SegmentPool:
         nbytes = self.store.pages.round(nbytes)
         with self._lock:
             # The first load has started: prepared segments it leaves are idle like any other from now.
+            self._first_taken = True
             self._idle = [(s, r, time.monotonic() if since is None else since) for s, r, since in self._idle]
             while True:
                 for i, (segment, reservation, _) in enumerate(self._idle):
