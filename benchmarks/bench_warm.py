@@ -1,6 +1,13 @@
 """Warm restart: reloading a checkpoint from the daemon's resident copy vs loading it from storage.
 
     python benchmarks/bench_warm.py [--source local|seaweed] [--size-gb 2] [--ranks 2] [--reps 3] [--device cpu]
+    python benchmarks/bench_warm.py --first-load [--baseline CHECKOUT] [--gap 5] [--budget 1GiB] ...
+
+``--first-load``: a fresh daemon's first load against its second, with retention off (the second
+load takes the first one's idle ring segments) and on (the second is served from the resident
+copy), each on a fresh daemon, ``--gap`` seconds after it started (a sidecar's first load comes
+after the engine's own start-up); with ``--baseline`` the same rows for the daemon of another
+checkout (``git worktree add /tmp/base main``), in the same run, on the same page cache.
 
 Each repetition starts a fresh daemon with a retention budget larger than the checkpoint, then
 runs the same N rank processes twice:
@@ -106,13 +113,16 @@ def _rchar(pid: int) -> int:
     raise RuntimeError("no rchar")
 
 
-def one_rep(rep: int, source, truth: Path, world: int, device: str, borrowed: bool, retention: str, tmp: Path) -> dict:
-    """A fresh daemon; a cold then a warm load by the same ``world`` rank processes."""
+def one_rep(rep, source, truth: Path, world: int, device: str, borrowed: bool, retention: str, tmp: Path,
+            budget: str = "1GiB", daemon_env: dict | None = None, gap: float = 0.0) -> dict:  # fmt: skip
+    """A fresh daemon (``daemon_env`` on top); ``gap`` s later a cold then a warm load by the same
+    ``world`` rank processes."""
     root = tmp / f"rep{rep}"
     root.mkdir()
     uri = source.uri
-    env = {**source.env, "STREAMER_RETENTION_BUDGET": retention, "STREAMER_CACHE_DIR": str(root / "cache")}
-    daemon = ChildDaemon(root, "1GiB", env=env)
+    env = {**source.env, "STREAMER_RETENTION_BUDGET": retention, "STREAMER_CACHE_DIR": str(root / "cache"), **(daemon_env or {})}
+    daemon = ChildDaemon(root, budget, env=env)
+    time.sleep(gap)
     try:
         keys = [f"cold-{rep}", f"warm-{rep}"]
         ctx = mp.get_context("spawn")
@@ -165,6 +175,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dir", type=Path, help="checkpoint directory (default: written to a temp dir)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda: rank r uses cuda:r")
     parser.add_argument("--borrowed", action="store_true", help="zero-copy CPU views instead of safe copies")
+    parser.add_argument("--first-load", action="store_true", help="first vs second load of a fresh daemon, retention off and on")
+    parser.add_argument("--baseline", type=Path, help="--first-load: also the daemon of this checkout (before/after)")
+    parser.add_argument("--gap", type=float, default=5.0, help="--first-load: seconds from the daemon's start to the first load")
+    parser.add_argument("--budget", default="1GiB", help="daemon --shm-budget (default 1GiB)")
     args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory(prefix="bench-warm-") as tmp_name:
@@ -181,9 +195,11 @@ def main(argv: list[str] | None = None) -> None:
             print(f"{os.cpu_count()} CPUs; torch {torch.__version__}; checkpoint {total / GB:.2f} GB, {source.describe()}; "
                   f"{args.ranks} ranks, TP-like selections, {'borrowed views' if args.borrowed else 'safe copies'} on {device}; "
                   f"load average {os.getloadavg()[0]:.1f}", flush=True)  # fmt: skip
+            if args.first_load:
+                return first_load_table(args, source, truth, total, retention, tmp)
             rows = []
             for rep in range(args.reps):
-                row = one_rep(rep, source, truth, args.ranks, device, args.borrowed, retention, tmp)
+                row = one_rep(rep, source, truth, args.ranks, device, args.borrowed, retention, tmp, args.budget)
                 rows.append(row)
                 print(f"  rep {rep}: cold {row['cold']['seconds']:.2f} s, warm {row['warm']['seconds']:.2f} s, "
                       f"warm storage bytes {row['warm']['storage_bytes']}", flush=True)  # fmt: skip
@@ -203,6 +219,37 @@ def main(argv: list[str] | None = None) -> None:
     ratios = [r["warm"]["seconds"] / r["cold"]["seconds"] for r in rows]
     print(f"warm / cold time: median {statistics.median(ratios):.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}); "
           f"GB/s counts bytes delivered to all ranks; GB = 1e9 bytes")  # fmt: skip
+
+
+def first_load_table(args, source, truth: Path, total: int, retention: str, tmp: Path) -> None:
+    """Rows of (daemon code, retention): first and second load of a fresh daemon, medians of ``--reps``."""
+    def code_of(checkout: Path) -> dict:  # PYTHONSAFEPATH: not the cwd's checkout first (``python -m``)
+        return {"PYTHONPATH": f"{checkout}:{checkout / 'client'}", "PYTHONSAFEPATH": "1"}
+
+    codes = [("this checkout", code_of(BENCH.parent))]
+    if args.baseline is not None:
+        codes.insert(0, (f"baseline {args.baseline.resolve().name}", code_of(args.baseline.resolve())))
+    results: dict[tuple[str, str], list[dict]] = {}
+    for rep in range(args.reps):  # interleaved: a drift of the machine touches every row alike
+        for code, env in codes:
+            for mode, budget in (("off", "0"), ("on", retention)):
+                runs = sum(map(len, results.values()))
+                row = one_rep(f"{runs}-{mode}", source, truth, args.ranks, args.device, args.borrowed,
+                              budget, tmp, args.budget, env, args.gap)  # fmt: skip
+                results.setdefault((code, mode), []).append(row)
+                print(f"  rep {rep} {code}, retention {mode}: first {row['cold']['seconds']:.2f} s, "
+                      f"second {row['warm']['seconds']:.2f} s", flush=True)  # fmt: skip
+    print()
+    print(f"| daemon | retention | first load s | GB/s | second load s | GB/s | first / second |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for (code, mode), rows in results.items():
+        first = statistics.median(r["cold"]["seconds"] for r in rows)
+        second = statistics.median(r["warm"]["seconds"] for r in rows)
+        delivered = rows[0]["cold"]["delivered"]
+        print(f"| {code} | {mode} | {first:.2f} | {delivered / first / GB:.2f} | {second:.2f} | "
+              f"{delivered / second / GB:.2f} | {first / second:.2f} |")  # fmt: skip
+    print(f"medians of {args.reps} fresh daemons per row; each first load {args.gap:g} s after its daemon started; "
+          f"shm budget {args.budget}; GB/s counts bytes delivered to all ranks; GB = 1e9 bytes")  # fmt: skip
 
 
 if __name__ == "__main__":
