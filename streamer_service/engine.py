@@ -80,7 +80,7 @@ from streamer_client.leases import Leases
 from .buffers import HostBuffer, PinnedPool, pinned_pool
 from .catalog import Catalog
 from .header import TensorInfo
-from .plan import DEFAULT_ALIGN, Batch, BatchKind, FileRange, Placement, Plan, build_plan
+from .plan import DEFAULT_ALIGN, Batch, BatchKind, Part, Placement, Plan, build_plan, in_parts
 from .plan import select as select_tensors
 from .pipeline import Load, LoadStats, Pipeline
 from .ring import Ring
@@ -242,7 +242,7 @@ class EmbeddedEngine:
         slot_bytes = plan.slot_bytes
         if pool is not None:
             slot_bytes = self._device_slot_bytes(plan)
-            plan = _in_parts(plan, slot_bytes)
+            plan = in_parts(plan, slot_bytes)
         slot_batches = sum(b.kind is BatchKind.SLOT and b.buffer_bytes > 0 for b in plan.batches)
         count = min(self.config.budget // slot_bytes, slot_batches) if slot_bytes else 0
         if pool is not None and count:
@@ -268,47 +268,6 @@ class EmbeddedEngine:
 
     def __repr__(self) -> str:
         return f"EmbeddedEngine({self.uri.normalized!r}, {self.config}, {self.stats})"
-
-
-# --------------------------------------------------------------------------- oversized tensors in parts
-
-
-@dataclass(frozen=True)
-class _Part(Placement):
-    """Bytes ``[start, start + nbytes)`` of an oversized tensor, alone in a slot batch (device loads)."""
-
-    start: int
-    nbytes: int
-
-    @property
-    def last(self) -> bool:
-        return self.start + self.nbytes == self.tensor.nbytes
-
-
-def _in_parts(plan: Plan, slot_bytes: int) -> Plan:
-    """``plan`` with each oversized tensor as consecutive slot batches of at most ``slot_bytes``.
-
-    Every part but the first starts at an aligned file offset, so its range needs no pad; the
-    first keeps the pad that makes its buffer offset congruent to its file offset (plan module).
-    """
-    if not plan.oversized_bytes:
-        return plan
-    step = slot_bytes // plan.align * plan.align  # at least one alignment unit (EngineConfig)
-    batches: list[Batch] = []
-    for batch in plan.batches:
-        if batch.kind is not BatchKind.OVERSIZED:
-            batches.append(batch)
-            continue
-        tensor = batch.placements[0].tensor
-        start = 0
-        while start < tensor.nbytes:
-            offset = tensor.offset + start
-            pad = offset % plan.align
-            nbytes = min(step - pad, tensor.nbytes - start)
-            part = _Part(tensor, pad, start, nbytes)
-            batches.append(Batch(BatchKind.SLOT, (FileRange(tensor.file, offset, nbytes, pad),), (part,), pad + nbytes))
-            start += nbytes
-    return Plan(tuple(batches), plan.slot_size, plan.align)
 
 
 # --------------------------------------------------------------------------- buffers
@@ -477,7 +436,7 @@ class _Stream:
             self._ring.pool.pin(load.buffer, self._device)  # once per slot and process: a lookup after that
         copies: deque[tuple[str, torch.Tensor]] = deque()
         for placement in load.batch.placements:
-            if isinstance(placement, _Part):
+            if isinstance(placement, Part):
                 tensor = self._copy_part(load, placement)
                 if tensor is not None:  # its last part
                     copies.append((placement.tensor.name, tensor))
@@ -492,7 +451,7 @@ class _Stream:
             yield name, tensor
             del tensor
 
-    def _copy_part(self, load: Load, part: _Part) -> torch.Tensor | None:
+    def _copy_part(self, load: Load, part: Part) -> torch.Tensor | None:
         """Queue one part's copy to its place in the device tensor; the tensor with its last part."""
         info = part.tensor
         if part.start == 0:

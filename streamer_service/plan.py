@@ -16,6 +16,9 @@ is read and the daemon can plan the union of several ranks' selections:
    - a tensor that does not fit an empty slot is *oversized*: its own batch and
      its own buffer, read in parts of at most ``slot_size`` bytes.
 
+   :func:`in_parts` turns each oversized batch into slot batches of one part each,
+   for a reader with no buffer but its slots.
+
 Buffer layout: each range starts at a buffer offset congruent to its file
 offset modulo ``align`` (a few pad bytes at most). With the buffer's base
 aligned to ``align`` that gives two things for the price of < ``align`` bytes
@@ -44,9 +47,11 @@ __all__ = [
     "BatchKind",
     "FileRange",
     "Placement",
+    "Part",
     "Plan",
     "build_plan",
     "delivery_order",
+    "in_parts",
     "select",
     "union_order",
 ]
@@ -380,3 +385,48 @@ def _oversized(tensor: TensorInfo, slot_size: int, align: int) -> Batch:
         for done in range(0, tensor.nbytes, slot_size)
     )
     return Batch(BatchKind.OVERSIZED, parts, (Placement(tensor, start),), start + tensor.nbytes)
+
+
+# --------------------------------------------------------------------------- oversized tensors in parts
+
+
+@dataclass(frozen=True)
+class Part(Placement):
+    """Bytes ``[start, start + nbytes)`` of an oversized tensor, alone in a slot batch (:func:`in_parts`)."""
+
+    start: int
+    nbytes: int
+
+    @property
+    def last(self) -> bool:
+        return self.start + self.nbytes == self.tensor.nbytes
+
+
+def in_parts(plan: Plan, slot_bytes: int) -> Plan:
+    """``plan`` with each oversized tensor as consecutive slot batches of at most ``slot_bytes``
+    (``slot_bytes`` >= ``plan.align``), in the same order: for a reader whose slots are its only
+    buffers (the embedded engine's device loads, which copy each part to its place on the GPU).
+
+    Every part but the first starts at an aligned file offset, so its range needs no pad; the
+    first keeps the pad that makes its buffer offset congruent to its file offset.
+    """
+    if not plan.oversized_bytes:
+        return plan
+    if slot_bytes < plan.align:
+        raise ConfigError(f"parts need slots of at least the alignment ({plan.align} bytes), got {slot_bytes}")
+    step = slot_bytes // plan.align * plan.align
+    batches: list[Batch] = []
+    for batch in plan.batches:
+        if batch.kind is not BatchKind.OVERSIZED:
+            batches.append(batch)
+            continue
+        tensor = batch.placements[0].tensor
+        start = 0
+        while start < tensor.nbytes:
+            offset = tensor.offset + start
+            pad = offset % plan.align
+            nbytes = min(step - pad, tensor.nbytes - start)
+            part = Part(tensor, pad, start, nbytes)
+            batches.append(Batch(BatchKind.SLOT, (FileRange(tensor.file, offset, nbytes, pad),), (part,), pad + nbytes))
+            start += nbytes
+    return Plan(tuple(batches), plan.slot_size, plan.align)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from streamer_client.errors import ConfigError, SelectionError
 from streamer_service.header import TensorInfo
-from streamer_service.plan import Batch, BatchKind, FileRange, Plan, build_plan, select, union_order
+from streamer_service.plan import Batch, BatchKind, FileRange, Part, Plan, build_plan, in_parts, select, union_order
 
 
 def tensor(name: str, offset: int, nbytes: int, file: str = "a.safetensors", dtype: str = "U8") -> TensorInfo:
@@ -278,6 +278,39 @@ def test_plan_properties(delivery, slot_size, align):
     plan = build_plan(delivery, slot_size, align=align)
     _check_plan(plan, delivery)
     assert plan.slot_bytes <= slot_size
+
+
+@given(delivery=deliveries(), slot_size=st.integers(64, 8000), align=st.sampled_from([1, 8, 64]), extra=st.integers(0, 64))
+def test_in_parts_reads_each_oversized_tensor_in_slot_sized_parts_in_the_same_order(delivery, slot_size, align, extra):
+    plan = build_plan(delivery, slot_size, align=align)
+    slot_bytes = max(plan.slot_bytes, slot_size) + extra  # a reader's slots may be rounded up
+    parted = in_parts(plan, slot_bytes)
+    assert all(b.kind is BatchKind.SLOT and b.buffer_bytes <= slot_bytes for b in parted.batches)
+    # The batches that fit a slot are untouched and keep their order among the parts.
+    assert [b for b in parted.batches if not isinstance(b.placements[0] if b.placements else None, Part)] == [
+        b for b in plan.batches if b.kind is BatchKind.SLOT
+    ]
+    delivered = [p.tensor for b in parted.batches for p in b.placements if not isinstance(p, Part) or p.last]
+    assert delivered == list(plan.tensors)
+    for batch in (b for b in plan.batches if b.kind is BatchKind.OVERSIZED):
+        big = batch.placements[0].tensor
+        parts = [b for b in parted.batches if any(isinstance(p, Part) and p.tensor is big for p in b.placements)]
+        ranges = [b.ranges[0] for b in parts]
+        assert all(len(b.ranges) == len(b.placements) == 1 for b in parts)
+        assert ranges[0].offset == big.offset and ranges[-1].end == big.end
+        assert all(x.end == y.offset and y.offset % align == 0 for x, y in zip(ranges, ranges[1:]))
+        for b, r in zip(parts, ranges):
+            part = b.placements[0]
+            assert (part.start, part.nbytes, part.buffer_offset) == (r.offset - big.offset, r.nbytes, r.buffer_offset)
+            assert r.buffer_offset == r.offset % align and r.file == big.file
+        assert [p.placements[0].last for p in parts] == [False] * (len(parts) - 1) + [True]
+
+
+def test_in_parts_needs_a_slot_of_at_least_the_alignment():
+    plan = build_plan([tensor("big", 8, 10_000)], 4096)
+    assert in_parts(build_plan([tensor("a", 8, 100)], 4096), 100) == build_plan([tensor("a", 8, 100)], 4096)
+    with pytest.raises(ConfigError, match="at least the alignment"):
+        in_parts(plan, 4095)
 
 
 @settings(max_examples=200, deadline=None)
