@@ -90,3 +90,32 @@ def _key(sample: Path) -> str:
     from streamer_service.uri import parse_uri
 
     return parse_uri(str(sample)).cache_key
+
+
+def test_segments_prepared_at_start_give_way_to_a_load_the_shm_dir_has_room_for(tmp_path):
+    # A 5 MiB dir, a 4 MiB budget: the daemon prepares four 1 MiB ring slots at start; the load's
+    # first batch is a 2.5 MiB tensor (its own segment), which fits only once idle ones are unlinked.
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from daemon_harness import finish, wait_until
+
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    rng = np.random.default_rng(16)
+    save_file({"big": rng.integers(0, 256, 5 * 2**19, dtype=np.uint8), "small": rng.integers(0, 256, 2**16, dtype=np.uint8)},
+              str(ckpt / "model.safetensors"))  # fmt: skip
+    (ckpt / "model.safetensors.index.json").write_text('{"weight_map": {"big": "model.safetensors", "small": "model.safetensors"}}')
+    d = DaemonProcess(
+        tmp_path, {"STREAMER_SLOT_SIZE": "1MiB", "STREAMER_SEGMENT_IDLE_S": "30"}, "--shm-budget", "4MiB",
+        tmpfs={tmp_path / "shm": "5m"},
+    ).start()  # fmt: skip
+    try:
+        with d.client() as c:
+            ready = wait_until(lambda: (r := c.get("/readyz").json()) and not r["segments_preparing"] and r, what="segments prepared")
+        assert ready["segments_prepared"] == 4
+        result = finish(d.start_rank(str(ckpt), 0, 1, ckpt, None))
+        assert result["bad"] == [] and result["got"]
+        assert d.finished()[-1]["state"] == "done"
+    finally:
+        d.stop()
