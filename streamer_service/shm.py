@@ -356,6 +356,14 @@ class SegmentPool:
         self._preparer.start()
 
     def _prepare(self, nbytes: int, reservations: list[Reservation]) -> None:
+        try:
+            self._make_prepared(nbytes, reservations)
+        finally:  # whatever happened, no take waits for a segment that will not come
+            with self._lock:
+                self._making = 0
+                self._lock.notify_all()
+
+    def _make_prepared(self, nbytes: int, reservations: list[Reservation]) -> None:
         made = [(self.store.create_soon(nbytes), r) for r in reservations]
         failure = None
         for future, reservation in made:
