@@ -153,7 +153,7 @@ class EngineStats(LoadStats):
 
 ReaderFactory = Callable[..., NativeReader]
 
-_SLOT_GRANULE = 2 * 1024 * 1024  # device ring slots come in whole huge pages (see _ring_for)
+_SLOT_GRANULE = 2 * 1024 * 1024  # device ring slots come in whole huge pages (see _device_slot_bytes)
 
 DEVICE_RING_BYTES = 1024**3
 """At most this much of a device load's ring (page-locked slots), however large the budget: the
