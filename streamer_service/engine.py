@@ -36,9 +36,11 @@ Delivery modes (DESIGN.md 3.6, safe by default):
   tensor keeps its batch's buffer (at most ``slot_size``) alive until every
   tensor of that batch is gone: ``clone()`` one tensor kept alone for long.
   Oversized tensors are handed over the same way.
-- ``device="cuda:N"``: the ring holds at most :data:`DEVICE_RING_BYTES` (the
-  copies drain it at the link rate; page-locking more only slows a first load);
-  ring slots are page-locked once (first use) and reused,
+- ``device="cuda:N"``: the load reads through at most four slots of at most
+  64 MiB (:data:`DEVICE_RING_BYTES`: the copies drain them at the link rate,
+  and page-locking more only slows a first load), planned anew in those slots
+  when the configured slot size is larger; they are page-locked once (first
+  use) and reused,
   across loads too: when a load ends its slots stay page-locked in the process's
   :class:`~streamer_service.buffers.PinnedPool` for the next load (slot sizes
   rounded up to whole 2 MiB so that they repeat);
@@ -155,11 +157,16 @@ ReaderFactory = Callable[..., NativeReader]
 
 _SLOT_GRANULE = 2 * 1024 * 1024  # device ring slots come in whole huge pages (see _device_slot_bytes)
 
-DEVICE_RING_BYTES = 1024**3
-"""At most this much of a device load's ring (page-locked slots), however large the budget: the
-copies drain a slot at the link rate (55 GB/s on an H200: 5 ms per 256 MiB), so four slots keep
-the reads busy, and page-locking is the first load's largest cost (0.37 s of a 1.2 s first load
-for the whole 4 GiB default budget on an H200 host, 0.07 s/GiB; docs/benchmarks.md, issue 16)."""
+DEVICE_SLOT_BYTES = 64 * 1024**2
+DEVICE_RING_BYTES = 256 * 1024**2
+"""A device load reads through slots of at most ``DEVICE_SLOT_BYTES``, at most ``DEVICE_RING_BYTES``
+of them (four), whatever the budget and slot size. The copies drain a slot at the link rate
+(55 GB/s on an H200: 1.2 ms per 64 MiB), so a few keep the reads busy; small slots start the
+first copy early and end the last one soon after the last read; and page-locking is a first
+load's largest cost (0.07 s/GiB on an H200 host: the whole 4 GiB default ring took 0.37 s of a
+1.2 s first load). Measured on an H200 host, 6.44 GB from tmpfs (docs/benchmarks.md, issue 16):
+with 4 x 64 MiB a process's first load ran at 25-30 GB/s and its reloads at 30-36, against 13-15
+and 31-33 with 4 x 256 MiB; smaller rings or slots were slower."""
 
 
 class EmbeddedEngine:
@@ -241,6 +248,8 @@ class EmbeddedEngine:
         """The plan as this load reads it, and its ring (``pool``: a device load's page-locked slots)."""
         slot_bytes = plan.slot_bytes
         if pool is not None:
+            if plan.slot_size > DEVICE_SLOT_BYTES:  # the same tensors in the same order, in smaller slots
+                plan = build_plan(plan.tensors, DEVICE_SLOT_BYTES, align=plan.align)
             slot_bytes = self._device_slot_bytes(plan)
             plan = in_parts(plan, slot_bytes)
         slot_batches = sum(b.kind is BatchKind.SLOT and b.buffer_bytes > 0 for b in plan.batches)
@@ -249,13 +258,14 @@ class EmbeddedEngine:
             count = min(count, max(2, DEVICE_RING_BYTES // slot_bytes))  # two: one filling, one copying
         return plan, _Ring(slot_bytes, count, self.stats, pool)
 
-    def _device_slot_bytes(self, plan: Plan) -> int:
+    @staticmethod
+    def _device_slot_bytes(plan: Plan) -> int:
         # Oversized tensors pass through the slots in parts: then slots are as large as allowed.
-        slot_bytes = self.config.slot_size if plan.oversized_bytes else plan.slot_bytes
+        slot_bytes = plan.slot_size if plan.oversized_bytes else plan.slot_bytes
         if slot_bytes:
             # Whole 2 MiB, so that the next load's slots have the same size and the pinned pool's
-            # idle slots fit it; never past the slot size (so never past the budget).
-            slot_bytes = max(slot_bytes, min(-(-slot_bytes // _SLOT_GRANULE) * _SLOT_GRANULE, self.config.slot_size))
+            # idle slots fit it; never past the plan's slot size (so never past the budget).
+            slot_bytes = max(slot_bytes, min(-(-slot_bytes // _SLOT_GRANULE) * _SLOT_GRANULE, plan.slot_size))
         return slot_bytes
 
     def _open_reader(self) -> NativeReader:

@@ -356,6 +356,29 @@ def test_a_device_load_page_locks_at_most_the_device_ring_whatever_the_budget(tm
         pool.close()
 
 
+def test_a_device_load_reads_in_small_slots_whatever_the_slot_size(tmp_path, monkeypatch):
+    from streamer_service import engine as engine_module
+    from streamer_service.buffers import PinnedPool
+
+    monkeypatch.setattr(engine_module, "DEVICE_SLOT_BYTES", 256 * KIB)  # 64 MiB by default
+    monkeypatch.setattr(engine_module, "DEVICE_RING_BYTES", 1 * MIB)
+    sizes = [64, 48, 200, 16, 96, 300, 8]  # KiB: two tensors larger than a device slot
+    make_sharded_checkpoint(tmp_path, {f"t{i}": torch.zeros(n * 256) for i, n in enumerate(sizes)}, n_shards=2)
+    engine = _engine(tmp_path, budget=16 * MIB, slot=4 * MIB)  # everything fits one slot of the settings
+    plan = engine.plan()
+    assert not plan.oversized_bytes and plan.slot_bytes > 256 * KIB
+    pool = PinnedPool()
+    try:
+        device_plan, ring = engine._ring_for(plan, pool)
+    finally:
+        pool.close()
+    assert ring.slot_bytes == 256 * KIB and ring.count == 4
+    assert all(b.buffer_bytes <= 256 * KIB for b in device_plan.batches)
+    delivered = [p.tensor.name for b in device_plan.batches for p in b.placements if getattr(p, "last", True)]
+    assert delivered == [t.name for t in plan.tensors]  # the same order
+    assert engine._ring_for(plan, None)[0] is plan  # a CPU load reads the plan as it is
+
+
 def test_a_device_load_reads_an_oversized_tensor_in_parts_through_its_slots(small_checkpoint):
     from streamer_service.buffers import PinnedPool
     from streamer_service.plan import Part
