@@ -390,6 +390,9 @@ def issue_rows(disk_dir: Path, shm_root: Path, args, label: str) -> dict[str, li
     row("runai, tmpfs dir", "runai", tmpfs_dir, env=RUNAI_ENV)
     row("instanttensor, tmpfs dir", "instanttensor", tmpfs_dir)
     row("embedded, tmpfs dir", "embedded", tmpfs_dir)
+    for i in range(args.pairs):  # alternating processes, so that the machine's drift falls on both alike
+        for kind in ("instanttensor", "embedded")[:: 1 if i % 2 == 0 else -1]:  # who goes first alternates too
+            row(f"pair {i}: {kind}, tmpfs dir", kind, tmpfs_dir)
     root = Path(tempfile.mkdtemp(prefix="issue-daemon-", dir=shm_root))
     daemon = ChildDaemon(root, args.daemon_budget, env={"STREAMER_CACHE_DIR": str(root / "cache")})
     try:
@@ -411,18 +414,24 @@ def issue_rows(disk_dir: Path, shm_root: Path, args, label: str) -> dict[str, li
     return rows
 
 
+def _rate(rows: dict, name: str, which: str = "warm") -> float | None:
+    """GB/s of row ``name``: its first load (``cold``) or the median of the others (``warm``)."""
+    got = rows.get(name)
+    if not got:
+        return None
+    if which == "cold":
+        wall, nbytes = got[0]
+    else:
+        wall, nbytes = statistics.median(w for w, _ in got[1:]), got[0][1]
+    return nbytes / wall / GB
+
+
 def issue_table(columns: dict[str, dict[str, list[tuple[float, int]]]]) -> None:
     """The issue's figures, one column per shm kind, with ratios against Run:ai and InstantTensor."""
+    rate = _rate
 
-    def rate(rows: dict, name: str, which: str = "warm") -> float | None:
-        got = rows.get(name)
-        if not got:
-            return None
-        if which == "cold":
-            wall, nbytes = got[0]
-        else:
-            wall, nbytes = statistics.median(w for w, _ in got[1:]), got[0][1]
-        return nbytes / wall / GB
+    def cells(values: list[float | None]) -> str:  # one column per page size; blank where not measured
+        return "".join(f"{v:>9.2f}" if v else f"{'':>9}" for v in values)
 
     k4 = columns.get("4k", {})
     lines = [("runai, page cache", "plain Run:ai sync_buffered -> .to(cuda), 1 rank"),
@@ -442,16 +451,16 @@ def issue_table(columns: dict[str, dict[str, list[tuple[float, int]]]]) -> None:
         best = max((v for v in values if v), default=None)
         it = max((rate(columns[n], "instanttensor, tmpfs dir") or 0) for n in names) or None
         ratios = f"   {best / runai:>7.2f}  {best / it:>10.2f}" if best and runai and it else ""
-        print(f"{label:<58}" + "".join(f"{v:>9.2f}" if v else f"{'':>9}" for v in values) + ratios)
+        print(f"{label:<58}" + cells(values) + ratios)
     cold = [rate(columns[n], "daemon retained: cold, then warm reloads", "cold") for n in names]
-    print(f"{'daemon retained, first (cold) load':<58}" + "".join(f"{v:>9.2f}" if v else f"{'':>9}" for v in cold))
+    print(f"{'daemon retained, first (cold) load':<58}" + cells(cold))
     # Every row's first load is its process's first (and, for the daemon rows, a fresh daemon's).
     for key, label in [("instanttensor, tmpfs dir", "  first load of a process: InstantTensor, tmpfs"),
                        ("embedded, tmpfs dir", "  first load of a process: embedded, tmpfs"),
                        ("embedded, page cache", "  first load of a process: embedded, page cache"),
                        ("daemon 1 rank, page cache", "  first load on a fresh daemon, 1 rank")]:  # fmt: skip
         values = [rate(columns[n], key, "cold") if key in columns[n] else rate(k4, key, "cold") for n in names]
-        print(f"{label:<58}" + "".join(f"{v:>9.2f}" if v else f"{'':>9}" for v in values))
+        print(f"{label:<58}" + cells(values))
     ind = k4.get("runai x4 independent, page cache")
     if ind:
         runai4 = statistics.median(w for w, _ in ind[1:])
@@ -461,6 +470,27 @@ def issue_table(columns: dict[str, dict[str, list[tuple[float, int]]]]) -> None:
                 wall = statistics.median(w for w, _ in d4[1:])
                 print(f"4 ranks on cuda:0, each all tensors: daemon wall / 4 independent Run:ai wall [{n}]: "
                       f"{wall:.2f} s / {runai4:.2f} s = {wall / runai4:.2f}")  # fmt: skip
+
+
+def pairs_table(columns: dict[str, dict[str, list[tuple[float, int]]]]) -> None:
+    """``--pairs``: InstantTensor and the embedded engine from the same tmpfs dir, in alternating
+    processes; each round's reloads and first loads, embedded / InstantTensor, and the medians."""
+    for column, rows in columns.items():
+        rounds = sorted({int(k.split(":")[0].split()[1]) for k in rows if k.startswith("pair ")})
+        if not rounds:
+            continue
+        print()
+        print(f"InstantTensor vs embedded, files on tmpfs [{column}], alternating processes (GB/s; ratio embedded / IT)")
+        print(f"{'round':<8}{'IT':>9}{'embedded':>10}{'ratio':>8}   {'first: IT':>10}{'embedded':>10}{'ratio':>8}")
+        warm, cold = [], []
+        for i in rounds:
+            it, ours = (rows[f"pair {i}: {kind}, tmpfs dir"] for kind in ("instanttensor", "embedded"))
+            w = [_rate({"r": r}, "r") for r in (it, ours)]
+            c = [_rate({"r": r}, "r", "cold") for r in (it, ours)]
+            warm.append(w[1] / w[0])
+            cold.append(c[1] / c[0])
+            print(f"{i:<8}{w[0]:>9.2f}{w[1]:>10.2f}{warm[-1]:>8.2f}   {c[0]:>10.2f}{c[1]:>10.2f}{cold[-1]:>8.2f}")
+        print(f"{'median':<8}{'':>19}{statistics.median(warm):>8.2f}   {'':>20}{statistics.median(cold):>8.2f}")
 
 
 def issue_main(args) -> None:
@@ -489,7 +519,8 @@ def issue_main(args) -> None:
             out = Path(tmp) / "thp.json"
             size = f"{int(args.size_gb * 3 + 24)}G"
             child = [sys.executable, __file__, "--issue", "--issue-child", "thp", "--dir", str(directory), "--json", str(out),
-                     "--size-gb", str(args.size_gb), "--e2e-reps", str(args.e2e_reps), "--daemon-budget", args.daemon_budget]  # fmt: skip
+                     "--size-gb", str(args.size_gb), "--e2e-reps", str(args.e2e_reps), "--daemon-budget", args.daemon_budget,
+                     "--pairs", str(args.pairs)]  # fmt: skip
             if args.retention:
                 child += ["--retention", args.retention]
             mount = f"mount -t tmpfs -o huge=always,size={size} tmpfs /dev/shm"
@@ -499,6 +530,7 @@ def issue_main(args) -> None:
         print()
         print(f"pinned H2D ceiling {statistics.median(ceiling_rates):.2f} GB/s; checkpoint {total / GB:.2f} GB")
         issue_table(columns)
+        pairs_table(columns)
         if args.json:
             args.json.write_text(json.dumps({"machine": machine(), "checkpoint_bytes": total, "columns": columns}, indent=1))
 
@@ -536,6 +568,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--issue", action="store_true", help="issue 16's rows: every loader side by side")
     parser.add_argument("--huge-pages", action="store_true", help="with --issue: also on a huge=always tmpfs (root)")
     parser.add_argument("--disk-dir", type=Path, help="with --issue: where the page-cache checkpoint goes (default TMPDIR)")
+    parser.add_argument("--pairs", type=int, default=0,
+                        help="with --issue: also this many rounds of InstantTensor and embedded from tmpfs (each a fresh process; the order alternates)")  # fmt: skip
     parser.add_argument("--issue-child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

@@ -367,8 +367,9 @@ class Daemon:
 
 
 def _preload_native_reader() -> None:
-    """Import Run:ai's native reader now, not in the first load: its package imports torch on the
-    way (2.3 s of a fresh daemon's first load on a 2-core VM, docs/benchmarks.md "Daemon first load")."""
+    """Open Run:ai's native reader now, not in the first load. Since the wrapper is imported without
+    Run:ai's package ``__init__`` (``runai.contract``) this is a few milliseconds and no torch; it
+    was 2.3 s of a fresh daemon's first load on a 2-core VM (docs/benchmarks.md "Daemon first load")."""
     from .runai.contract import load_native
 
     try:

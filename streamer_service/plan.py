@@ -424,7 +424,7 @@ def in_parts(plan: Plan, slot_bytes: int) -> Plan:
         start = 0
         while start < tensor.nbytes:
             offset = tensor.offset + start
-            pad = offset % plan.align
+            pad = _padded(0, offset, plan.align)
             nbytes = min(step - pad, tensor.nbytes - start)
             part = Part(tensor, pad, start, nbytes)
             batches.append(Batch(BatchKind.SLOT, (FileRange(tensor.file, offset, nbytes, pad),), (part,), pad + nbytes))

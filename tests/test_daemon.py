@@ -120,6 +120,18 @@ def test_budget_four_times_smaller_than_the_union(sample, daemon):
     assert list(d.shm_dir.iterdir()) == []
 
 
+def test_a_daemon_that_served_a_load_holds_no_torch(sample, daemon):
+    # Run:ai's wrapper is imported without its package's __init__, which imports torch (about
+    # 240 MiB of RSS and 2.3 s on a 2-core VM) and boto3; the daemon needs neither.
+    d = daemon()
+    names = [t.name for t in _catalog(sample).tensors]
+    result = finish(d.start_rank(str(sample), 0, 1, sample, names))
+    assert result["bad"] == [] and len(result["got"]) == len(names)
+    maps = Path(f"/proc/{d.proc.pid}/maps").read_text()
+    assert "libstreamer" in maps  # Run:ai's library did the reading
+    assert "libtorch" not in maps
+
+
 def test_rank_killed_mid_load_others_finish_and_shm_is_reclaimed(sample, daemon):
     # Issue 14.8: the daemon knows the rank's PID from the unix socket and sees its process gone,
     # so the others go on at once; with this 600 s rank timeout they would otherwise wait that long.

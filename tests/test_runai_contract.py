@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import importlib
 import inspect
+import json
 import mmap
 import os
 import subprocess
@@ -23,7 +24,7 @@ import pytest
 
 from streamer_client.errors import ConfigError, ObjectChangedError, StorageError
 from streamer_service import runai
-from streamer_service.runai import FileReads, NativeReader, ReadRange, ResponseCode
+from streamer_service.runai import FileReads, NativeReader, ReadRange, ResponseCode, contract
 
 PINNED = "0.17.0"
 
@@ -111,6 +112,48 @@ def test_nothing_native_is_loaded_at_import():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+_READ_WITHOUT_THE_PACKAGE = """
+import ctypes, json, mmap, sys
+from streamer_service.runai import FileReads, NativeReader, ReadRange
+path, size = sys.argv[1], int(sys.argv[2])
+buf = mmap.mmap(-1, size)
+with NativeReader(fs_strategy="sync_buffered") as reader:
+    reader.submit([FileReads(path, (ReadRange(0, size, ctypes.addressof(ctypes.c_char.from_buffer(buf))),))], buf)
+    (result,) = reader.responses()
+loaded = sorted(m for m in sys.modules if m in ("torch", "boto3") or m.startswith("runai_model_streamer"))
+ok = result.error is None and buf[:] == open(path, "rb").read()
+# Run:ai's own package is still whole for whoever imports it next (vLLM's Run:ai loader does).
+from runai_model_streamer import SafetensorsStreamer
+with SafetensorsStreamer() as streamer:
+    streamer.stream_file(sys.argv[3])
+    names = sorted(name for name, _ in streamer.get_tensors())
+print(json.dumps({"ok": ok, "loaded": loaded, "names": names}))
+"""
+
+
+def test_the_native_reader_runs_without_runai_packages_init(data_file, tmp_path):
+    # Run:ai's package __init__ imports torch, its Python streamers and (through its S3 helpers)
+    # boto3: 0.24-0.33 s of a process's first load, and torch in every daemon. The wrapper needs none.
+    from safetensors.numpy import save_file
+
+    path, data = data_file
+    checkpoint = tmp_path / "model.safetensors"
+    save_file({"a": np.arange(6, dtype=np.float32), "b": np.ones(3, dtype=np.int64)}, str(checkpoint))
+    code = [sys.executable, "-c", _READ_WITHOUT_THE_PACKAGE, str(path), str(len(data)), str(checkpoint)]
+    out = subprocess.run(code, capture_output=True, text=True, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"ok": True, "loaded": [], "names": ["a", "b"]}
+
+
+def test_a_wrapper_imported_already_is_the_one_used():
+    code = (
+        "import runai_model_streamer.libstreamer.libstreamer as wrapper; "
+        "from streamer_service.runai.contract import load_native; print(load_native() is wrapper)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"
 
 
 # --------------------------------------------------------------------------- reads
@@ -244,16 +287,16 @@ def test_changed_entry_points_fail_at_start_naming_them(monkeypatch, native):
     fake = types.SimpleNamespace(**{name: getattr(native, name) for name in EXPECTED_PARAMETERS})
     fake.runai_request = runai_request
     fake.dll = native.dll
-    monkeypatch.setattr(runai.importlib, "import_module", lambda name: fake)
+    monkeypatch.setattr(contract, "_import_native", lambda: fake)
     with pytest.raises(ConfigError, match=r"runai_request.*0\.17\.0"):
         NativeReader().start()
 
 
 def test_missing_native_module_fails_at_start(monkeypatch):
-    def refuse(name):
-        raise ImportError(f"No module named {name!r}")
+    def refuse():
+        raise ImportError("No module named 'runai_model_streamer'")
 
-    monkeypatch.setattr(runai.importlib, "import_module", refuse)
+    monkeypatch.setattr(contract, "_import_native", refuse)
     with pytest.raises(ConfigError, match="cannot load Run:ai's native reader"):
         NativeReader().start()
 

@@ -8,8 +8,6 @@
 
 from __future__ import annotations
 
-import importlib  # noqa: F401 - tests replace importlib.import_module to fake the native module
-
 from .contract import DISTRIBUTIONS, ENTRY_POINTS, FS_STRATEGY_SYMBOL, NATIVE_MODULE, PINNED_VERSION, installed_versions
 from .environment import FS_STRATEGY_ENV, READ_PARALLELISM_DEFAULTS, check_credentials, read_parallelism_in_force, storage_environment
 from .reader import BUFFERED_FS_STRATEGY, FileReads, NativeReader, RangeResult, ReadRange, ResponseCode

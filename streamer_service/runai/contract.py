@@ -13,8 +13,11 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.metadata
+import importlib.util
 import inspect
 import logging
+import sys
+import threading
 from types import ModuleType
 
 from streamer_client.errors import ConfigError
@@ -43,6 +46,7 @@ DISTRIBUTIONS = (
 """Every part must be :data:`PINNED_VERSION`: mixed versions put .so files of different builds side by side."""
 
 NATIVE_MODULE = "runai_model_streamer.libstreamer.libstreamer"
+PACKAGE = NATIVE_MODULE.partition(".")[0]
 
 ENTRY_POINTS: dict[str, tuple[str, ...]] = {
     "runai_start": (),
@@ -76,7 +80,7 @@ def installed_versions() -> dict[str, str | None]:
 def load_native() -> ModuleType:
     """Import Run:ai's native wrapper (this opens libstreamer.so) and check its contract."""
     try:
-        module = importlib.import_module(NATIVE_MODULE)
+        module = _import_native()
     except (ImportError, OSError) as exc:
         raise ConfigError(
             f"cannot load Run:ai's native reader ({NATIVE_MODULE}): {exc}; "
@@ -90,6 +94,41 @@ def load_native() -> ModuleType:
         )
     _warn_if_version_differs()
     return module
+
+
+_IMPORT_LOCK = threading.Lock()
+
+
+@functools.lru_cache(maxsize=1)
+def _import_native() -> ModuleType:
+    """Run:ai's native wrapper, imported without running its package's ``__init__`` unless
+    something in this process imported the package already (then that wrapper is the one used).
+
+    The package's ``__init__`` imports its whole Python surface on the way: torch, its
+    safetensors and distributed streamers, and boto3 through its S3 helpers. That was 0.24-0.33 s
+    of a process's first load on a 2-core VM (boto3 installed) and put torch in every daemon,
+    against 3 ms for the wrapper alone, which needs only ``libstreamer`` and ``s3_utils`` (ctypes
+    and the standard library). So while the wrapper is imported, the package's module object
+    stands in for it with its ``__init__`` not run, and afterwards the stand-in and every module
+    imported under it leave ``sys.modules`` again: a later ``import runai_model_streamer``
+    (vLLM's Run:ai loader, ``streamer-service bench`` mode A) runs the real ``__init__`` and
+    imports its own copy of the wrapper, over the same library (``dlopen`` of one path gives one
+    handle). Cached: one wrapper per process.
+    """
+    with _IMPORT_LOCK:
+        if PACKAGE in sys.modules:
+            return importlib.import_module(NATIVE_MODULE)
+        spec = importlib.util.find_spec(PACKAGE)
+        if spec is None:
+            raise ImportError(f"No module named {PACKAGE!r}")
+        before = set(sys.modules)
+        sys.modules[PACKAGE] = importlib.util.module_from_spec(spec)
+        try:
+            return importlib.import_module(NATIVE_MODULE)
+        finally:
+            for name in set(sys.modules) - before:
+                if name == PACKAGE or name.startswith(PACKAGE + "."):
+                    del sys.modules[name]
 
 
 def _contract_problems(module: ModuleType) -> list[str]:
