@@ -180,7 +180,6 @@ class Segment:
             try:
                 os.posix_fallocate(fd, 0, nbytes)
             except OSError as exc:
-                os.unlink(path)
                 if exc.errno in (errno.ENOSPC, errno.ENOMEM) and pages is not None and pages.hugetlbfs:
                     raise ConfigError(
                         f"hugetlbfs shared-memory dir {path.parent} has no free {pages.size // 2**20} MiB pages "
@@ -199,6 +198,9 @@ class Segment:
             # a fault per 4 KiB page taken by Run:ai's reader threads as they write (issue 16).
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             self._mmap = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.unlink(path)  # whatever failed, no file is left behind: nothing maps it
+            raise
         finally:
             os.close(fd)
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)

@@ -9,9 +9,12 @@ mid-load, the daemon killed mid-load and restarted).
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -84,6 +87,27 @@ def test_shm_smaller_than_the_budget_is_a_config_error_not_a_sigbus(sample, tmp_
         assert d.healthy()
     finally:
         d.stop()
+
+
+_MAPPING_REFUSED = """
+import resource, sys
+from pathlib import Path
+from streamer_service.shm import Segment
+vm = int(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmSize:"))) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + 32 * 2**20, resource.RLIM_INFINITY))  # room for 32 MiB more
+try:
+    Segment("seg-1", Path(sys.argv[1]) / "seg-1", 256 * 2**20)  # allocated in the dir, then not mappable
+except OSError as exc:
+    print("refused", exc.errno)
+"""
+
+
+def test_a_segment_whose_mapping_fails_leaves_no_file(tmp_path):
+    # The file is allocated before it is mapped: a refused mmap must not leave it for the startup sweep.
+    (shm := tmp_path / "segments").mkdir()
+    out = subprocess.run([sys.executable, "-c", _MAPPING_REFUSED, str(shm)], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == f"refused {errno.ENOMEM}"
+    assert list(shm.iterdir()) == []
 
 
 def _key(sample: Path) -> str:
