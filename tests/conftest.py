@@ -180,3 +180,9 @@ def daemon(tmp_path):
     yield start
     for d in procs:
         d.stop()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests that share one worker (``xdist_group``: the real-vLLM ones, minutes each) go first, so
+    that the other worker runs the rest beside them instead of idling while they finish last."""
+    items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)

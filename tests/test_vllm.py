@@ -32,7 +32,8 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 from _sample import tiny_llama_for_engines  # noqa: E402
 
-pytestmark = pytest.mark.timeout(900)
+# One vLLM at a time (each is a few GB and both cores for a minute): one worker runs them in turn.
+pytestmark = [pytest.mark.timeout(900), pytest.mark.xdist_group("vllm")]
 
 IPC_DIR = ""  # set by the ipc_dir fixture
 
