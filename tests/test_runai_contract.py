@@ -105,13 +105,18 @@ def test_response_codes_mean_what_we_map(native, code, fragment):
     assert fragment in native.runai_response_str(int(code)).decode()
 
 
+def _python(code: str, *args: str) -> str:
+    """What a fresh interpreter running ``code`` printed last."""
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, check=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
 def test_nothing_native_is_loaded_at_import():
     code = (
         "import sys, streamer_service.runai, streamer_service.engine; "
         "print([m for m in sys.modules if m.startswith('runai_model_streamer')])"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    assert _python(code) == "[]"
 
 
 _READ_WITHOUT_THE_PACKAGE = """
@@ -141,9 +146,7 @@ def test_the_native_reader_runs_without_runai_packages_init(data_file, tmp_path)
     path, data = data_file
     checkpoint = tmp_path / "model.safetensors"
     save_file({"a": np.arange(6, dtype=np.float32), "b": np.ones(3, dtype=np.int64)}, str(checkpoint))
-    code = [sys.executable, "-c", _READ_WITHOUT_THE_PACKAGE, str(path), str(len(data)), str(checkpoint)]
-    out = subprocess.run(code, capture_output=True, text=True, check=True)
-    got = json.loads(out.stdout.strip().splitlines()[-1])
+    got = json.loads(_python(_READ_WITHOUT_THE_PACKAGE, str(path), str(len(data)), str(checkpoint)))
     assert got == {"ok": True, "loaded": [], "names": ["a", "b"]}
 
 
@@ -152,8 +155,7 @@ def test_a_wrapper_imported_already_is_the_one_used():
         "import runai_model_streamer.libstreamer.libstreamer as wrapper; "
         "from streamer_service.runai.contract import load_native; print(load_native() is wrapper)"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "True"
+    assert _python(code) == "True"
 
 
 # --------------------------------------------------------------------------- reads
