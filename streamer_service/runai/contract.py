@@ -97,9 +97,9 @@ def load_native() -> ModuleType:
 
 
 _IMPORT_LOCK = threading.Lock()
+_native: ModuleType | None = None
 
 
-@functools.lru_cache(maxsize=1)
 def _import_native() -> ModuleType:
     """Run:ai's native wrapper, imported without running its package's ``__init__`` unless
     something in this process imported the package already (then that wrapper is the one used).
@@ -113,22 +113,27 @@ def _import_native() -> ModuleType:
     imported under it leave ``sys.modules`` again: a later ``import runai_model_streamer``
     (vLLM's Run:ai loader, ``streamer-service bench`` mode A) runs the real ``__init__`` and
     imports its own copy of the wrapper, over the same library (``dlopen`` of one path gives one
-    handle). Cached: one wrapper per process.
+    handle). Imported once per process; a failed import is tried again next time.
     """
+    global _native
     with _IMPORT_LOCK:
-        if PACKAGE in sys.modules:
-            return importlib.import_module(NATIVE_MODULE)
-        spec = importlib.util.find_spec(PACKAGE)
-        if spec is None:
-            raise ImportError(f"No module named {PACKAGE!r}")
-        before = set(sys.modules)
-        sys.modules[PACKAGE] = importlib.util.module_from_spec(spec)
-        try:
-            return importlib.import_module(NATIVE_MODULE)
-        finally:
-            for name in set(sys.modules) - before:
-                if name == PACKAGE or name.startswith(PACKAGE + "."):
-                    del sys.modules[name]
+        if _native is None:
+            _native = _import_wrapper_alone() if PACKAGE not in sys.modules else importlib.import_module(NATIVE_MODULE)
+        return _native
+
+
+def _import_wrapper_alone() -> ModuleType:
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None:
+        raise ImportError(f"No module named {PACKAGE!r}")
+    before = set(sys.modules)
+    sys.modules[PACKAGE] = importlib.util.module_from_spec(spec)
+    try:
+        return importlib.import_module(NATIVE_MODULE)
+    finally:
+        for name in set(sys.modules) - before:
+            if name == PACKAGE or name.startswith(PACKAGE + "."):
+                del sys.modules[name]
 
 
 def _contract_problems(module: ModuleType) -> list[str]:
