@@ -414,21 +414,23 @@ def issue_rows(disk_dir: Path, shm_root: Path, args, label: str) -> dict[str, li
     return rows
 
 
-def _rate(rows: dict, name: str, which: str = "warm") -> float | None:
-    """GB/s of row ``name``: its first load (``cold``) or the median of the others (``warm``)."""
-    got = rows.get(name)
-    if not got:
-        return None
+def _loads_rate(loads: list[tuple[float, int]], which: str = "warm") -> float:
+    """GB/s of one row's loads (wall seconds, bytes): the first (``cold``) or the median of the others (``warm``)."""
     if which == "cold":
-        wall, nbytes = got[0]
+        wall, nbytes = loads[0]
     else:
-        wall, nbytes = statistics.median(w for w, _ in got[1:]), got[0][1]
+        wall, nbytes = statistics.median(w for w, _ in loads[1:]), loads[0][1]
     return nbytes / wall / GB
+
+
+def _rate(rows: dict, name: str, which: str = "warm") -> float | None:
+    """GB/s of row ``name`` (:func:`_loads_rate`), ``None`` where it was not measured."""
+    got = rows.get(name)
+    return _loads_rate(got, which) if got else None
 
 
 def issue_table(columns: dict[str, dict[str, list[tuple[float, int]]]]) -> None:
     """The issue's figures, one column per shm kind, with ratios against Run:ai and InstantTensor."""
-    rate = _rate
 
     def cells(values: list[float | None]) -> str:  # one column per page size; blank where not measured
         return "".join(f"{v:>9.2f}" if v else f"{'':>9}" for v in values)
@@ -445,21 +447,21 @@ def issue_table(columns: dict[str, dict[str, list[tuple[float, int]]]]) -> None:
     print()
     print("GB/s per rank (GB = 1e9 bytes; medians; 'tmpfs' and shm dirs are /dev/shm (4k) or a huge=always tmpfs (thp))")
     print(f"{'path':<58}" + "".join(f"{n:>9}" for n in names) + "   x runai  x IT(tmpfs)")
-    runai = rate(k4, "runai, page cache")
+    runai = _rate(k4, "runai, page cache")
     for key, label in lines + [("daemon retained: cold, then warm reloads", "daemon, warm reload from the resident copy")]:
-        values = [rate(columns[n], key) if key in columns[n] else rate(k4, key) for n in names]
+        values = [_rate(columns[n], key) if key in columns[n] else _rate(k4, key) for n in names]
         best = max((v for v in values if v), default=None)
-        it = max((rate(columns[n], "instanttensor, tmpfs dir") or 0) for n in names) or None
+        it = max((_rate(columns[n], "instanttensor, tmpfs dir") or 0) for n in names) or None
         ratios = f"   {best / runai:>7.2f}  {best / it:>10.2f}" if best and runai and it else ""
         print(f"{label:<58}" + cells(values) + ratios)
-    cold = [rate(columns[n], "daemon retained: cold, then warm reloads", "cold") for n in names]
+    cold = [_rate(columns[n], "daemon retained: cold, then warm reloads", "cold") for n in names]
     print(f"{'daemon retained, first (cold) load':<58}" + cells(cold))
     # Every row's first load is its process's first (and, for the daemon rows, a fresh daemon's).
     for key, label in [("instanttensor, tmpfs dir", "  first load of a process: InstantTensor, tmpfs"),
                        ("embedded, tmpfs dir", "  first load of a process: embedded, tmpfs"),
                        ("embedded, page cache", "  first load of a process: embedded, page cache"),
                        ("daemon 1 rank, page cache", "  first load on a fresh daemon, 1 rank")]:  # fmt: skip
-        values = [rate(columns[n], key, "cold") if key in columns[n] else rate(k4, key, "cold") for n in names]
+        values = [_rate(columns[n], key, "cold") if key in columns[n] else _rate(k4, key, "cold") for n in names]
         print(f"{label:<58}" + cells(values))
     ind = k4.get("runai x4 independent, page cache")
     if ind:
@@ -485,8 +487,8 @@ def pairs_table(columns: dict[str, dict[str, list[tuple[float, int]]]]) -> None:
         warm, cold = [], []
         for i in rounds:
             it, ours = (rows[f"pair {i}: {kind}, tmpfs dir"] for kind in ("instanttensor", "embedded"))
-            w = [_rate({"r": r}, "r") for r in (it, ours)]
-            c = [_rate({"r": r}, "r", "cold") for r in (it, ours)]
+            w = [_loads_rate(loads) for loads in (it, ours)]
+            c = [_loads_rate(loads, "cold") for loads in (it, ours)]
             warm.append(w[1] / w[0])
             cold.append(c[1] / c[0])
             print(f"{i:<8}{w[0]:>9.2f}{w[1]:>10.2f}{warm[-1]:>8.2f}   {c[0]:>10.2f}{c[1]:>10.2f}{cold[-1]:>8.2f}")

@@ -76,8 +76,8 @@ FIRST_LOAD_COLLECTIONS = textwrap.dedent(
 
 @pytest.mark.parametrize("caller", ["collecting", "paused-by-the-caller"])
 def test_the_first_in_process_load_imports_the_service_without_collecting(sample, tmp_path, caller):
-    # In a process with torch, each full collection walks torch's objects: the service's first import
-    # (pydantic-settings, the engine) set off enough of them to take 0.26 of its 0.46 s on a 2-core VM.
+    # The service's first import (pydantic-settings, the engine) set off 35 collections, one of them
+    # full, which in a process with torch walks torch's objects: 0.26 of its 0.46 s on a 2-core VM.
     env = {k: v for k, v in os.environ.items() if k != "STREAMER_SOCKET"}
     code = [sys.executable, "-c", FIRST_LOAD_COLLECTIONS, str(sample), str(tmp_path / "cache"), caller]
     result = subprocess.run(code, env=env, capture_output=True, text=True, timeout=120)
