@@ -1,0 +1,436 @@
+/* A pool of native threads that copy byte ranges between addresses of this process.
+ *
+ * What it is for (streamer_service/copier.py): the embedded engine reads a checkpoint in a local
+ * directory by mapping its files and copying each batch's ranges into a ring slot. The copies run
+ * here, on threads that never touch the interpreter: one call queues a batch (split into chunks),
+ * one call waits for it with the GIL released. Python threads doing the same copies contend for
+ * the GIL between chunks (docs/benchmarks.md, "our own reader": 21.6-23.7 GB/s against 31 with
+ * Run:ai's reader); here the interpreter is involved twice per batch.
+ *
+ * A source is a file mapping, and a file cut short under a mapping raises SIGBUS on the next
+ * access past its new end. A worker copies each chunk under a guard: a SIGBUS on that thread
+ * jumps back out of the copy, and the batch reports which of its copies failed (Python raises
+ * ObjectChangedError naming the file and range) instead of the process dying. A SIGBUS on any
+ * other thread goes to the handler installed before ours.
+ *
+ * Interface (all addresses and sizes are Python ints; the arrays are bytes of native uint64):
+ *   pool(threads, chunk_bytes) -> capsule
+ *   submit(pool, dsts, srcs, sizes) -> ticket            queues one batch, returns at once
+ *   wait(pool, ticket, timeout_ms) -> None | index       None: not done yet; -1: done; i >= 0:
+ *                                                        done, copy i hit SIGBUS (its file shrank)
+ *   close(pool)                                          finishes every queued copy, joins threads
+ * The caller keeps sources and destinations alive until the batch is waited for (or close).
+ */
+#define PY_SSIZE_T_CLEAN
+#define Py_LIMITED_API 0x030A0000
+#include <Python.h>
+
+#include <errno.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#define CAPSULE_NAME "streamer_service._copier.pool"
+#define MAX_TICKETS 4096 /* batches queued and not yet waited for, per pool */
+
+typedef struct {
+    char *dst;
+    const char *src;
+    size_t nbytes;
+    uint32_t ticket_slot;
+    uint32_t copy_index; /* which copy of its batch this chunk belongs to */
+} chunk_t;
+
+typedef struct {
+    int64_t ticket; /* -1: free */
+    size_t remaining; /* chunks not yet copied */
+    int64_t failed; /* -1, or the lowest copy index that hit SIGBUS */
+} batch_t;
+
+typedef struct {
+    pthread_mutex_t lock;
+    pthread_cond_t work; /* chunks queued, or stopping */
+    pthread_cond_t done; /* a batch finished */
+    chunk_t *queue;
+    size_t head, count, capacity;
+    batch_t batches[MAX_TICKETS];
+    int64_t next_ticket;
+    size_t chunk_bytes;
+    int stopping;
+    int nthreads;
+    pthread_t *threads;
+    pid_t owner; /* a forked child has none of the threads: the pool is not its to use or stop */
+} pool_t;
+
+/* ------------------------------------------------------------------ SIGBUS guard */
+
+/* volatile: memcpy is a builtin the compiler knows cannot read it, so without it the store before
+ * the copy is dead to the compiler and goes. */
+static __thread sigjmp_buf *volatile guard;
+static struct sigaction previous_bus;
+static pthread_once_t guard_once = PTHREAD_ONCE_INIT;
+static int guard_installed;
+
+static void on_bus(int sig, siginfo_t *info, void *context) {
+    if (guard != NULL) {
+        siglongjmp(*guard, 1);
+    }
+    /* Not one of our copies: what would have happened without us. */
+    if (previous_bus.sa_flags & SA_SIGINFO) {
+        previous_bus.sa_sigaction(sig, info, context);
+    } else if (previous_bus.sa_handler != SIG_IGN && previous_bus.sa_handler != SIG_DFL) {
+        previous_bus.sa_handler(sig);
+    } else {
+        /* Default action: put it back; the faulting access runs again and the process dies as it
+         * would have. (SIGBUS from a fault cannot be ignored either: same.) */
+        signal(SIGBUS, SIG_DFL);
+    }
+}
+
+static void install_guard(void) {
+    struct sigaction action;
+    memset(&action, 0, sizeof action);
+    action.sa_sigaction = on_bus;
+    /* SA_NODEFER: the jump leaves the handler, so SIGBUS must not stay blocked on that thread. */
+    action.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
+    sigemptyset(&action.sa_mask);
+    guard_installed = sigaction(SIGBUS, &action, &previous_bus) == 0;
+}
+
+/* 0, or 1 if the copy hit SIGBUS (part of it may have been written). */
+static int guarded_copy(char *dst, const char *src, size_t nbytes) {
+    sigjmp_buf here;
+    if (sigsetjmp(here, 0)) {
+        guard = NULL;
+        return 1;
+    }
+    guard = &here;
+    memcpy(dst, src, nbytes);
+    guard = NULL;
+    return 0;
+}
+
+/* ------------------------------------------------------------------ workers */
+
+static void *worker(void *arg) {
+    pool_t *pool = arg;
+    /* The interpreter's signal handling stays on its main thread: block what it would handle. */
+    sigset_t mask;
+    sigemptyset(&mask);
+    sigaddset(&mask, SIGINT);
+    sigaddset(&mask, SIGTERM);
+    sigaddset(&mask, SIGCHLD);
+    pthread_sigmask(SIG_BLOCK, &mask, NULL);
+    pthread_mutex_lock(&pool->lock);
+    for (;;) {
+        while (pool->count == 0 && !pool->stopping) {
+            pthread_cond_wait(&pool->work, &pool->lock);
+        }
+        if (pool->count == 0) { /* stopping, and nothing is left to copy */
+            break;
+        }
+        chunk_t chunk = pool->queue[pool->head];
+        pool->head = (pool->head + 1) % pool->capacity;
+        pool->count--;
+        pthread_mutex_unlock(&pool->lock);
+        int bus = guarded_copy(chunk.dst, chunk.src, chunk.nbytes);
+        pthread_mutex_lock(&pool->lock);
+        batch_t *batch = &pool->batches[chunk.ticket_slot];
+        if (bus && (batch->failed < 0 || (int64_t)chunk.copy_index < batch->failed)) {
+            batch->failed = chunk.copy_index;
+        }
+        if (--batch->remaining == 0) {
+            pthread_cond_broadcast(&pool->done);
+        }
+    }
+    pthread_mutex_unlock(&pool->lock);
+    return NULL;
+}
+
+static int grow_queue(pool_t *pool, size_t more) {
+    if (pool->count + more <= pool->capacity) {
+        return 0;
+    }
+    size_t capacity = pool->capacity ? pool->capacity : 1024;
+    while (capacity < pool->count + more) {
+        capacity *= 2;
+    }
+    chunk_t *queue = malloc(capacity * sizeof *queue);
+    if (queue == NULL) {
+        return -1;
+    }
+    for (size_t i = 0; i < pool->count; i++) {
+        queue[i] = pool->queue[(pool->head + i) % pool->capacity];
+    }
+    free(pool->queue);
+    pool->queue = queue;
+    pool->head = 0;
+    pool->capacity = capacity;
+    return 0;
+}
+
+/* Finish every queued chunk, then join the workers. The GIL must not be held. */
+static void stop_pool(pool_t *pool) {
+    pthread_mutex_lock(&pool->lock);
+    int running = pool->threads != NULL && !pool->stopping;
+    pool->stopping = 1;
+    pthread_cond_broadcast(&pool->work);
+    pthread_mutex_unlock(&pool->lock);
+    if (!running) {
+        return;
+    }
+    for (int i = 0; i < pool->nthreads; i++) {
+        pthread_join(pool->threads[i], NULL);
+    }
+}
+
+static void free_pool(pool_t *pool) {
+    pthread_mutex_destroy(&pool->lock);
+    pthread_cond_destroy(&pool->work);
+    pthread_cond_destroy(&pool->done);
+    free(pool->threads);
+    free(pool->queue);
+    free(pool);
+}
+
+static void capsule_destructor(PyObject *capsule) {
+    pool_t *pool = PyCapsule_GetPointer(capsule, CAPSULE_NAME);
+    if (pool == NULL) {
+        PyErr_Clear();
+        return;
+    }
+    if (pool->owner != getpid()) { /* inherited through fork: its threads and lock state are not ours */
+        return;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    stop_pool(pool);
+    Py_END_ALLOW_THREADS
+    free_pool(pool);
+}
+
+static pool_t *get_pool(PyObject *capsule) {
+    pool_t *pool = PyCapsule_GetPointer(capsule, CAPSULE_NAME);
+    if (pool != NULL && pool->owner != getpid()) {
+        PyErr_SetString(PyExc_ValueError, "the copier pool was made by the parent of this forked process");
+        return NULL;
+    }
+    if (pool != NULL && pool->stopping) {
+        PyErr_SetString(PyExc_ValueError, "the copier pool is closed");
+        return NULL;
+    }
+    return pool;
+}
+
+/* ------------------------------------------------------------------ module functions */
+
+static PyObject *py_pool(PyObject *self, PyObject *args) {
+    int nthreads;
+    Py_ssize_t chunk_bytes;
+    if (!PyArg_ParseTuple(args, "in", &nthreads, &chunk_bytes)) {
+        return NULL;
+    }
+    if (nthreads < 1 || nthreads > 1024 || chunk_bytes < 4096) {
+        PyErr_Format(PyExc_ValueError, "copier pool: threads must be 1-1024 and chunks at least 4096 bytes, got %d, %zd",
+                     nthreads, chunk_bytes);
+        return NULL;
+    }
+    pthread_once(&guard_once, install_guard);
+    if (!guard_installed) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return NULL;
+    }
+    pool_t *pool = calloc(1, sizeof *pool);
+    if (pool == NULL) {
+        return PyErr_NoMemory();
+    }
+    pthread_mutex_init(&pool->lock, NULL);
+    pthread_cond_init(&pool->work, NULL);
+    pthread_cond_init(&pool->done, NULL);
+    for (int i = 0; i < MAX_TICKETS; i++) {
+        pool->batches[i].ticket = -1;
+    }
+    pool->chunk_bytes = (size_t)chunk_bytes;
+    pool->owner = getpid();
+    pool->threads = calloc((size_t)nthreads, sizeof *pool->threads);
+    if (pool->threads == NULL) {
+        free_pool(pool);
+        return PyErr_NoMemory();
+    }
+    for (int i = 0; i < nthreads; i++) {
+        int err = pthread_create(&pool->threads[i], NULL, worker, pool);
+        if (err) {
+            pool->nthreads = i;
+            Py_BEGIN_ALLOW_THREADS
+            stop_pool(pool);
+            Py_END_ALLOW_THREADS
+            free_pool(pool);
+            errno = err;
+            return PyErr_SetFromErrno(PyExc_OSError);
+        }
+        pool->nthreads = i + 1;
+    }
+    PyObject *capsule = PyCapsule_New(pool, CAPSULE_NAME, capsule_destructor);
+    if (capsule == NULL) {
+        Py_BEGIN_ALLOW_THREADS
+        stop_pool(pool);
+        Py_END_ALLOW_THREADS
+        free_pool(pool);
+    }
+    return capsule;
+}
+
+static int as_words(PyObject *object, const uint64_t **words, Py_ssize_t *count, const char *what) {
+    char *data;
+    Py_ssize_t nbytes;
+    if (PyBytes_AsStringAndSize(object, &data, &nbytes) < 0) {
+        return -1;
+    }
+    if (nbytes % 8) {
+        PyErr_Format(PyExc_ValueError, "copier: %s must be packed 8-byte words", what);
+        return -1;
+    }
+    *words = (const uint64_t *)data;
+    *count = nbytes / 8;
+    return 0;
+}
+
+static PyObject *py_submit(PyObject *self, PyObject *args) {
+    PyObject *capsule, *dsts_obj, *srcs_obj, *sizes_obj;
+    if (!PyArg_ParseTuple(args, "OSSS", &capsule, &dsts_obj, &srcs_obj, &sizes_obj)) {
+        return NULL;
+    }
+    pool_t *pool = get_pool(capsule);
+    if (pool == NULL) {
+        return NULL;
+    }
+    const uint64_t *dsts, *srcs, *sizes;
+    Py_ssize_t n, n_srcs, n_sizes;
+    if (as_words(dsts_obj, &dsts, &n, "destinations") < 0 || as_words(srcs_obj, &srcs, &n_srcs, "sources") < 0 ||
+        as_words(sizes_obj, &sizes, &n_sizes, "sizes") < 0) {
+        return NULL;
+    }
+    if (n != n_srcs || n != n_sizes || n == 0 || n > UINT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "copier: a batch needs one destination, source and size per copy");
+        return NULL;
+    }
+    size_t chunks = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        chunks += sizes[i] ? (sizes[i] + pool->chunk_bytes - 1) / pool->chunk_bytes : 0;
+    }
+    pthread_mutex_lock(&pool->lock);
+    int64_t ticket = pool->next_ticket;
+    uint32_t slot = (uint32_t)(ticket % MAX_TICKETS);
+    if (pool->batches[slot].ticket != -1) {
+        pthread_mutex_unlock(&pool->lock);
+        PyErr_Format(PyExc_RuntimeError, "copier: more than %d batches queued and not waited for", MAX_TICKETS);
+        return NULL;
+    }
+    if (grow_queue(pool, chunks) < 0) {
+        pthread_mutex_unlock(&pool->lock);
+        return PyErr_NoMemory();
+    }
+    pool->next_ticket++;
+    batch_t *batch = &pool->batches[slot];
+    batch->ticket = ticket;
+    batch->remaining = chunks;
+    batch->failed = -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        for (uint64_t done = 0; done < sizes[i]; done += pool->chunk_bytes) {
+            uint64_t left = sizes[i] - done;
+            chunk_t *chunk = &pool->queue[(pool->head + pool->count) % pool->capacity];
+            chunk->dst = (char *)(uintptr_t)(dsts[i] + done);
+            chunk->src = (const char *)(uintptr_t)(srcs[i] + done);
+            chunk->nbytes = left < pool->chunk_bytes ? left : pool->chunk_bytes;
+            chunk->ticket_slot = slot;
+            chunk->copy_index = (uint32_t)i;
+            pool->count++;
+        }
+    }
+    if (chunks) {
+        pthread_cond_broadcast(&pool->work);
+    }
+    pthread_mutex_unlock(&pool->lock);
+    return PyLong_FromLongLong(ticket);
+}
+
+static PyObject *py_wait(PyObject *self, PyObject *args) {
+    PyObject *capsule;
+    long long ticket;
+    int timeout_ms;
+    if (!PyArg_ParseTuple(args, "OLi", &capsule, &ticket, &timeout_ms)) {
+        return NULL;
+    }
+    pool_t *pool = get_pool(capsule);
+    if (pool == NULL) {
+        return NULL;
+    }
+    uint32_t slot = (uint32_t)(ticket % MAX_TICKETS);
+    if (ticket < 0 || pool->batches[slot].ticket != ticket) {
+        PyErr_Format(PyExc_ValueError, "copier: no batch %lld is queued", ticket);
+        return NULL;
+    }
+    struct timespec deadline;
+    clock_gettime(CLOCK_REALTIME, &deadline);
+    deadline.tv_sec += timeout_ms / 1000;
+    deadline.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+    if (deadline.tv_nsec >= 1000000000L) {
+        deadline.tv_sec++;
+        deadline.tv_nsec -= 1000000000L;
+    }
+    int finished;
+    int64_t failed;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&pool->lock);
+    batch_t *batch = &pool->batches[slot];
+    while (batch->remaining > 0) {
+        if (pthread_cond_timedwait(&pool->done, &pool->lock, &deadline) == ETIMEDOUT) {
+            break;
+        }
+    }
+    finished = batch->remaining == 0;
+    failed = batch->failed;
+    if (finished) {
+        batch->ticket = -1;
+    }
+    pthread_mutex_unlock(&pool->lock);
+    Py_END_ALLOW_THREADS
+    if (!finished) {
+        Py_RETURN_NONE;
+    }
+    return PyLong_FromLongLong(failed);
+}
+
+static PyObject *py_close(PyObject *self, PyObject *args) {
+    PyObject *capsule;
+    if (!PyArg_ParseTuple(args, "O", &capsule)) {
+        return NULL;
+    }
+    pool_t *pool = get_pool(capsule);
+    if (pool == NULL) {
+        PyErr_Clear(); /* closed already, or a forked child's copy: nothing to stop */
+        Py_RETURN_NONE;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    stop_pool(pool);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"pool", py_pool, METH_VARARGS, "pool(threads, chunk_bytes): a new pool of copying threads"},
+    {"submit", py_submit, METH_VARARGS, "submit(pool, dsts, srcs, sizes): queue one batch; its ticket"},
+    {"wait", py_wait, METH_VARARGS, "wait(pool, ticket, timeout_ms): None, -1 (done) or a failed copy's index"},
+    {"close", py_close, METH_VARARGS, "close(pool): finish every queued copy and stop the threads"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_copier", "Native threads that copy byte ranges (see copier.py).", -1, methods,
+};
+
+PyMODINIT_FUNC PyInit__copier(void) { return PyModule_Create(&module); }
