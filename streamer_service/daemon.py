@@ -16,6 +16,7 @@ from pathlib import Path
 from streamer_client.errors import SessionError, StorageAccessDeniedError, StreamerError
 
 from .checkpoint import open_checkpoint
+from .mapped import reader_for
 from .metadata import MetadataCache
 from .metrics import Metrics, build_info
 from .plan import select as select_tensors
@@ -307,6 +308,7 @@ class Daemon:
             rejoin=rejoin,
             storage_environment=storage_environment(self.settings),
             versions=ObjectVersions.of(checkpoint, self.settings),
+            reader_factory=reader_for(checkpoint.uri, self.settings.local_reader),
         )
 
     def session(self, session_id: str) -> Session | EndedSession:

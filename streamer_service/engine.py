@@ -82,6 +82,7 @@ from streamer_client.leases import Leases
 from .buffers import HostBuffer, PinnedPool, pinned_pool
 from .catalog import Catalog
 from .header import TensorInfo
+from .mapped import reader_for
 from .plan import DEFAULT_ALIGN, Batch, BatchKind, Part, Placement, Plan, build_plan, in_parts
 from .plan import select as select_tensors
 from .pipeline import Load, LoadStats, Pipeline
@@ -110,6 +111,7 @@ class EngineConfig:
     align: int = DEFAULT_ALIGN
     fs_strategy: str | None = BUFFERED_FS_STRATEGY
     storage_environment: tuple[tuple[str, str], ...] = ()  # Run:ai's retry/timeout variables
+    local_reader: str = "mapped"  # Settings.local_reader: how local files are read (mapped.reader_for)
 
     def __post_init__(self) -> None:
         if not isinstance(self.budget, int) or self.budget <= 0:
@@ -133,6 +135,7 @@ class EngineConfig:
             budget=budget,
             slot_size=min(int(settings.slot_size), budget),
             storage_environment=tuple(storage_environment(settings).items()),
+            local_reader=settings.local_reader,
         )
 
 
@@ -173,8 +176,9 @@ class EmbeddedEngine:
     """Streams one checkpoint's tensors in-process (no daemon, no shared memory).
 
     Each :meth:`stream` has its own ring and reader and may use the whole budget: run one at a
-    time to stay within it. ``reader_factory`` builds the Run:ai reader (keyword arguments
-    ``fs_strategy`` and ``environment``); tests may replace it. ``versions``
+    time to stay within it. ``reader_factory`` builds the reader (keyword arguments
+    ``fs_strategy`` and ``environment``; default: for a load to a CUDA device
+    :func:`~streamer_service.mapped.reader_for` the URI, else Run:ai's); tests may replace it. ``versions``
     checks each loaded batch's objects against the catalog's versions before delivery.
     """
 
@@ -184,7 +188,7 @@ class EmbeddedEngine:
         catalog: Catalog,
         config: EngineConfig,
         *,
-        reader_factory: ReaderFactory = NativeReader,
+        reader_factory: ReaderFactory | None = None,
         versions: ObjectVersions | None = None,
         pool: PinnedPool | None = None,
     ) -> None:
@@ -193,7 +197,7 @@ class EmbeddedEngine:
         self.config = config
         self._versions = versions
         self.stats = EngineStats()
-        self._reader_factory = reader_factory
+        self._reader_factory = reader_factory  # None: mapped.reader_for the URI and the device
         self._pool = pool  # page-locked slots of CUDA loads (default: the process's pool)
 
     def plan(self, select: list[str] | None = None, priority: list[str] | None = None) -> Plan:
@@ -236,7 +240,7 @@ class EmbeddedEngine:
         plan, ring = self._ring_for(plan, pool)
         stream = _Stream(self.uri, plan, ring, self.stats, device, borrowed, verify)
         try:
-            with self._open_reader() as reader:
+            with self._open_reader(device) as reader:
                 yield from stream.run(reader)
         finally:
             # After runai_end: only now is no read in flight into any of these buffers.
@@ -268,10 +272,16 @@ class EmbeddedEngine:
             slot_bytes = max(slot_bytes, min(-(-slot_bytes // _SLOT_GRANULE) * _SLOT_GRANULE, plan.slot_size))
         return slot_bytes
 
-    def _open_reader(self) -> NativeReader:
+    def _open_reader(self, device: torch.device) -> NativeReader:
         # The filesystem strategy means nothing to object storage; leave Run:ai's state untouched there.
         fs_strategy = self.config.fs_strategy if self.uri.is_local else None
-        return self._reader_factory(
+        factory = self._reader_factory
+        if factory is None:
+            # A CPU load reads straight into memory the caller keeps, with Run:ai: a mapped read
+            # would not be faster there, and would add the checkpoint's pages to the process's RSS
+            # for as long as the mappings are kept (mapped.py).
+            factory = reader_for(self.uri, self.config.local_reader) if device.type == "cuda" else NativeReader
+        return factory(
             fs_strategy=fs_strategy,
             environment=dict(self.config.storage_environment),
         )

@@ -11,7 +11,7 @@ segments and so applies backpressure; nothing is ever fetched twice.
 Which rank holds which batch is the rank ledger's (``ledger``); which segment a
 batch lands in — a ring slot from the node's pool or a segment kept resident —
 is the session buffers' (``session_buffers``); reading is the pipeline's, through a
-reader built by ``reader_factory`` (Run:ai's native reader; tests pass a fake
+reader built by ``reader_factory`` (``mapped.reader_for`` the URI; tests pass a fake
 one and drive a session in-process). This module is the state machine that
 ties them together, and the ranks' requests.
 
@@ -45,6 +45,7 @@ from .pipeline import Load, LoadStats, Pipeline
 from .plan import Batch, BatchKind, build_plan, union_order
 from .process import ProcessWatch
 from .resident import ResidentStore
+from .mapped import reader_for
 from .runai import BUFFERED_FS_STRATEGY, NativeReader
 from .session_buffers import SegmentSlot, SessionBuffers
 from .shm import Segment, SegmentPool
@@ -88,7 +89,7 @@ class Session:
         rejoin: tuple[str, int] | None = None,
         storage_environment: Mapping[str, str] | None = None,
         versions: ObjectVersions | None = None,
-        reader_factory: ReaderFactory = NativeReader,
+        reader_factory: ReaderFactory | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.id = uuid.uuid4().hex
@@ -110,7 +111,7 @@ class Session:
         self._on_end = on_end
         self._storage_environment = storage_environment  # Run:ai's retry/timeout variables
         self._versions = versions  # checks each loaded batch's objects before publishing it
-        self._reader_factory = reader_factory
+        self._reader_factory = reader_factory or reader_for(checkpoint.uri)
         self._clock = clock
         self._cond = threading.Condition()
         self._buffers = SessionBuffers(pool, slot_size, resident, lock=self._cond, clock=clock)

@@ -112,6 +112,11 @@ class Settings(BaseSettings):
     """Bytes one Run:ai read request asks for at once (``RUNAI_STREAMER_CHUNK_BYTESIZE``; Run:ai: 8 MiB from
     object storage, 2 MiB from files; object storage needs at least 5 MiB)."""
 
+    local_reader: Literal["mapped", "runai"] = "mapped"
+    """How the daemon and embedded CUDA loads read local checkpoint files: ``mapped`` (mapped and
+    copied by native threads, ``streamer_service.mapped``; Run:ai where that extension is not built
+    or ``RUNAI_STREAMER_FS_STRATEGY`` is set) or ``runai`` (Run:ai's reader, always)."""
+
     # Azure's account is not part of az:// URIs; these are the variables Run:ai's reader reads too.
     azure_storage_connection_string: SecretStr | None = Field(
         default=None, validation_alias=AliasChoices("AZURE_STORAGE_CONNECTION_STRING")

@@ -20,6 +20,7 @@ import torch
 from streamer_client.errors import ConfigError, ObjectChangedError, SelectionError, StorageError
 from streamer_service.catalog import build_catalog
 from streamer_service.engine import BorrowedTensorError, EmbeddedEngine, EngineConfig
+from streamer_service.mapped import MappedReader
 from streamer_service.plan import BatchKind
 from streamer_service.runai import NativeReader, ResponseCode
 from streamer_service.settings import Settings
@@ -245,9 +246,14 @@ def test_selection_errors_come_before_any_read(small_checkpoint):
     assert engine.stats.bytes_read == 0 and engine.stats.submissions == 0
 
 
-def test_a_missing_shard_is_a_storage_error_naming_file_and_range(small_checkpoint):
+# Local files are read by the mapped reader (device loads, the daemon) or Run:ai's: both fail alike.
+READERS = pytest.mark.parametrize("reader", [MappedReader, NativeReader], ids=["mapped", "runai"])
+
+
+@READERS
+def test_a_missing_shard_is_a_storage_error_naming_file_and_range(small_checkpoint, reader):
     directory, _ = small_checkpoint
-    engine = _engine(directory)
+    engine = _engine(directory, reader_factory=reader)
     plan = engine.plan()
     first_file = plan.batches[0].ranges[0].file
     (directory / first_file).unlink()
@@ -260,9 +266,10 @@ def test_a_missing_shard_is_a_storage_error_naming_file_and_range(small_checkpoi
     assert engine.stats.buffer_bytes == 0
 
 
-def test_a_shard_truncated_after_planning_fails_without_a_partial_tensor(small_checkpoint):
+@READERS
+def test_a_shard_truncated_after_planning_fails_without_a_partial_tensor(small_checkpoint, reader):
     directory, truth = small_checkpoint
-    engine = _engine(directory, budget=SLOT, slot=SLOT)
+    engine = _engine(directory, budget=SLOT, slot=SLOT, reader_factory=reader)
     plan = engine.plan()
     last = plan.tensors[-1]
     path = directory / last.file

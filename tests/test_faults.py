@@ -203,7 +203,13 @@ def test_in_process_loads_check_object_versions_too(sample, tmp_path):
             if not got:
                 (src / shard).write_bytes((new / shard).read_bytes())  # same size, other bytes
             got.append(name)
-    assert info.value.key == shard and f"{src / shard} changed while it was being loaded" in str(info.value)
+    message = str(info.value)
+    if info.value.key == shard:  # the version check after a batch saw the rewrite
+        assert f"{src / shard} changed while it was being loaded" in message
+    else:
+        # A read still in flight when write_bytes truncated the file met its end: the range fails
+        # (Run:ai: a short read; the mapped reader: the copy's SIGBUS guard), naming its tensors.
+        assert message.startswith(f"{src / shard}: bytes [") and ("End of file" in message or "cut short" in message)
     assert 0 < len(got) < len(_names(sample))
 
 

@@ -46,8 +46,9 @@ def test_runai_reads_with_the_values_we_set(daemon, sample):
     from daemon_harness import finish
 
     # A long rank timeout: on a loaded machine a healthy rank can be silent for seconds.
+    # The sample is a local dir: Run:ai reads it only with STREAMER_LOCAL_READER=runai (else mapped).
     d = daemon({"STREAMER_RANK_TIMEOUT_S": "300", "STREAMER_OBJ_CONCURRENCY": "3", "STREAMER_READ_CHUNK_SIZE": "6MiB",
-                "RUNAI_STREAMER_LOG_LEVEL": "DEBUG", "RUNAI_STREAMER_LOG_TO_STDERR": "1"})  # fmt: skip
+                "RUNAI_STREAMER_LOG_LEVEL": "DEBUG", "RUNAI_STREAMER_LOG_TO_STDERR": "1", "STREAMER_LOCAL_READER": "runai"})  # fmt: skip
     assert finish(d.start_rank(str(sample), 0, 1, sample, None))["bad"] == []
     log = d.log.read_text()
     assert "s3 concurrency 3 ; s3 block size 6291456 bytes" in log, log[-3000:]
