@@ -24,6 +24,15 @@ ENV PIP_NO_CACHE_DIR=1 \
 RUN python -m venv /opt/streamer-service
 ENV PATH=/opt/streamer-service/bin:$PATH
 
+# A C compiler for the native copier of local files (streamer_service/_copier.c, an optional
+# extension: without it the daemon would read local files through Run:ai). Only this stage has
+# one; the runtime stage gets the built module with the venv. Unpinned: the base is pinned by
+# digest, libc6-dev must match its libc, and the import check below proves the module built.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
 # Every dependency from requirements.lock, each wheel checked against its sha256 (pip
 # --require-hashes); nothing is resolved at build time. torch is the CPU build: the daemon never
 # touches a GPU, and an unpinned `torch` from PyPI is the multi-GB CUDA build (plus the nvidia-*
@@ -44,7 +53,7 @@ COPY pyproject.toml README.md ./
 COPY streamer_service/ streamer_service/
 RUN pip install --no-deps ./client . \
     && pip check \
-    && python -c "import streamer_service.server, streamer_service.api, streamer_service.daemon" \
+    && python -c "import streamer_service.server, streamer_service.api, streamer_service.daemon, streamer_service._copier" \
     && streamer-service --help > /dev/null
 
 # ---------------------------------------------------------------------------------------------

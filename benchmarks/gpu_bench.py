@@ -390,6 +390,7 @@ def issue_rows(disk_dir: Path, shm_root: Path, args, label: str) -> dict[str, li
     row("runai, tmpfs dir", "runai", tmpfs_dir, env=RUNAI_ENV)
     row("instanttensor, tmpfs dir", "instanttensor", tmpfs_dir)
     row("embedded, tmpfs dir", "embedded", tmpfs_dir)
+    row("embedded with Run:ai's reader, tmpfs dir", "embedded", tmpfs_dir, env={"STREAMER_LOCAL_READER": "runai"})
     for i in range(args.pairs):  # alternating processes, so that the machine's drift falls on both alike
         for kind in ("instanttensor", "embedded")[:: 1 if i % 2 == 0 else -1]:  # who goes first alternates too
             row(f"pair {i}: {kind}, tmpfs dir", kind, tmpfs_dir)
@@ -442,6 +443,7 @@ def issue_table(columns: dict[str, dict[str, list[tuple[float, int]]]]) -> None:
              ("instanttensor, tmpfs dir", "InstantTensor 0.2.2, files on tmpfs"),
              ("embedded, page cache", "embedded load_state_dict(dir, cuda:0), page cache"),
              ("embedded, tmpfs dir", "embedded load_state_dict(dir, cuda:0), files on tmpfs"),
+             ("embedded with Run:ai's reader, tmpfs dir", "  the same, STREAMER_LOCAL_READER=runai"),
              ("daemon 1 rank, page cache", "daemon, 1 rank, cold (page cache)")]  # fmt: skip
     names = list(columns)
     print()
