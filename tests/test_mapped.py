@@ -288,6 +288,8 @@ def _load_in_forked_child(directory: str, queue) -> None:
         queue.put(repr(exc))
 
 
+# Forking a process whose copier threads run is the case under test (Python 3.12 warns of it).
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded, use of fork:DeprecationWarning")
 def test_a_forked_child_reads_with_copier_threads_of_its_own(checkpoint):
     # The parent's copier threads are not in a fork: a child using the parent's pool would queue
     # copies nobody makes, and wait for ever.
