@@ -19,6 +19,10 @@
  *   wait(pool, ticket, timeout_ms) -> None | index       None: not done yet; -1: done; i >= 0:
  *                                                        done, copy i hit SIGBUS (its file shrank)
  *   close(pool)                                          finishes every queued copy, joins threads
+ *   map(fd, nbytes) -> address                           a read-only shared mapping of a file
+ *   unmap(address, nbytes)
+ * (Python's mmap keeps a duplicate of the file's descriptor per mapping: a checkpoint of a
+ * thousand shards would hold a thousand descriptors while its mappings are kept.)
  * The caller keeps sources and destinations alive until the batch is waited for (or close).
  */
 #define PY_SSIZE_T_CLEAN
@@ -32,6 +36,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -421,11 +426,42 @@ static PyObject *py_close(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_map(PyObject *self, PyObject *args) {
+    int fd;
+    Py_ssize_t nbytes;
+    if (!PyArg_ParseTuple(args, "in", &fd, &nbytes)) {
+        return NULL;
+    }
+    if (nbytes <= 0) {
+        PyErr_SetString(PyExc_ValueError, "copier: a mapping needs at least one byte");
+        return NULL;
+    }
+    void *address = mmap(NULL, (size_t)nbytes, PROT_READ, MAP_SHARED, fd, 0);
+    if (address == MAP_FAILED) {
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    return PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)address);
+}
+
+static PyObject *py_unmap(PyObject *self, PyObject *args) {
+    unsigned long long address;
+    Py_ssize_t nbytes;
+    if (!PyArg_ParseTuple(args, "Kn", &address, &nbytes)) {
+        return NULL;
+    }
+    if (munmap((void *)(uintptr_t)address, (size_t)nbytes) != 0) {
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
     {"pool", py_pool, METH_VARARGS, "pool(threads, chunk_bytes): a new pool of copying threads"},
     {"submit", py_submit, METH_VARARGS, "submit(pool, dsts, srcs, sizes): queue one batch; its ticket"},
     {"wait", py_wait, METH_VARARGS, "wait(pool, ticket, timeout_ms): None, -1 (done) or a failed copy's index"},
     {"close", py_close, METH_VARARGS, "close(pool): finish every queued copy and stop the threads"},
+    {"map", py_map, METH_VARARGS, "map(fd, nbytes): the address of a read-only shared mapping of the file"},
+    {"unmap", py_unmap, METH_VARARGS, "unmap(address, nbytes)"},
     {NULL, NULL, 0, NULL},
 };
 

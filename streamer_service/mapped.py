@@ -39,7 +39,6 @@ score. While mappings are kept, a process's RSS includes the checkpoint's bytes 
 
 from __future__ import annotations
 
-import mmap
 import os
 import threading
 import time
@@ -48,8 +47,6 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
 
 from streamer_client.errors import ObjectChangedError, StorageError
 
@@ -103,19 +100,23 @@ class _Identity:
 
 
 class _Mapping:
-    """One file mapped read-only, whole; ``address`` of its first byte."""
+    """One file mapped read-only, whole, at ``address``; unmapped when the last reference goes
+    (the cache's, and those of submissions whose copies may still read it)."""
 
-    __slots__ = ("path", "identity", "memory", "array", "address", "size", "last_used")
+    __slots__ = ("path", "identity", "address", "size", "last_used")
 
     def __init__(self, path: str, identity: _Identity, fd: int) -> None:
         self.path = path
         self.identity = identity
         self.size = identity.size
-        self.memory = mmap.mmap(fd, identity.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ) if identity.size else None
-        # The array holds a buffer export of the mapping: it stays mapped while the array lives.
-        self.array = np.frombuffer(self.memory, dtype=np.uint8) if self.memory is not None else None
-        self.address = self.array.ctypes.data if self.array is not None else 0
+        self.address = 0  # (for __del__, should the mapping fail)
+        # Mapped by the extension: Python's mmap would keep a duplicate descriptor per file.
+        self.address = _copier.map(fd, self.size) if self.size else 0
         self.last_used = 0.0
+
+    def __del__(self) -> None:
+        if self.address and _copier is not None:
+            _copier.unmap(self.address, self.size)
 
 
 class FileMaps:
@@ -142,11 +143,8 @@ class FileMaps:
             fresh = _Mapping(path, identity, file.fileno())
         fresh.last_used = self._clock()
         with self._lock:
-            stale = self._maps.get(path)
-            self._maps[path] = fresh
+            self._maps[path] = fresh  # the one it replaces is unmapped with its last reference
             self.mapped += 1
-        if stale is not None:
-            self._retire([stale])
         return fresh
 
     def enter(self) -> None:
@@ -172,7 +170,6 @@ class FileMaps:
             stale = [m for m in self._maps.values() if now - m.last_used >= self.idle_s]
             for m in stale:
                 del self._maps[m.path]
-        self._retire(stale)
         return len(stale)
 
     def _arm(self) -> None:
@@ -189,13 +186,6 @@ class FileMaps:
         self.sweep()
         with self._lock:
             self._arm()  # some were used since the timer was set
-
-    @staticmethod
-    def _retire(stale: list[_Mapping]) -> None:
-        # Unmapped with the last reference: a batch still in flight holds the array (whose buffer
-        # export keeps the mapping) until the reader has waited for its copies.
-        for m in stale:
-            m.array = m.memory = None
 
 
 _MAPS: FileMaps | None = None
@@ -238,7 +228,7 @@ os.register_at_fork(after_in_child=_forget_after_fork)
 class _Submission:
     id: int
     files: tuple[FileReads, ...]
-    keepalive: Any  # destination buffers and source arrays, until the copies are done
+    keepalive: Any  # destination buffers and source mappings, until the copies are done
     ticket: int | None  # the copier's batch, None when no range needed copying
     copies: list[tuple[int, int]]  # (file index, range index) of each copy, in the batch's order
     errors: dict[tuple[int, int], StorageError]  # ranges failed before any copy
@@ -316,9 +306,11 @@ class MappedReader:
                 mapping = self._maps.open(file.path)
             except OSError as exc:
                 for ri, read in enumerate(file.ranges):
-                    errors[fi, ri] = StorageError(f"{_where(file.path, read)}: cannot open: {exc.strerror or exc}", uri=file.path)
+                    errors[fi, ri] = StorageError(
+                        f"{_where(file.path, read)}: cannot open or map: {exc.strerror or exc}", uri=file.path
+                    )
                 continue
-            sources.append(mapping.array)
+            sources.append(mapping)
             for ri, read in enumerate(file.ranges):
                 if read.end > mapping.size:
                     errors[fi, ri] = _shorter(file.path, read, mapping.size)

@@ -164,7 +164,22 @@ def test_a_missing_file_is_a_storage_error_naming_it(tmp_path):
         reader.submit([FileReads(str(path), (ReadRange(0, 4096, dst.ctypes.data),))], keepalive=dst)
         (result,) = reader.responses()
     assert type(result.error) is StorageError and result.error.uri == str(path)
-    assert str(result.error) == f"{path}: bytes [0, 4096): cannot open: No such file or directory"
+    assert str(result.error) == f"{path}: bytes [0, 4096): cannot open or map: No such file or directory"
+
+
+def test_kept_mappings_hold_no_file_descriptors(tmp_path):
+    # A checkpoint of a thousand shards must not hold a thousand descriptors while it is mapped.
+    paths = []
+    for i in range(20):
+        paths.append(tmp_path / f"shard-{i}.bin")
+        paths[-1].write_bytes(bytes([i]) * 8192)
+    maps = FileMaps()
+    before = len(os.listdir("/proc/self/fd"))
+    for path in paths:
+        maps.open(str(path))
+    assert len(maps.paths()) == 20
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert {str(p) for p in paths} <= _mapped_paths()
 
 
 def test_a_bus_error_outside_the_copier_still_ends_the_process(tmp_path):
