@@ -34,6 +34,7 @@ from streamer_client.protocol import JoinReply, NextReply, error_body
 from .daemon import Daemon
 from .metrics import CONTENT_TYPE
 from .process import peer_pid
+from .mapped import local_reader_in_force
 from .runai import read_parallelism_in_force
 from .settings import Settings
 
@@ -199,6 +200,7 @@ def create_app(settings: Settings) -> FastAPI:
             "segments_prepared": d.pool.prepared,  # docs/deploy.md, "Segments made at start"
             "segments_preparing": d.pool.preparing,
             "read_parallelism": read_parallelism_in_force(settings),  # docs/configuration.md, "Read parallelism"
+            "local_reader": local_reader_in_force(settings.local_reader),  # docs/configuration.md
         }
 
     @app.get("/metrics")

@@ -58,7 +58,7 @@ try:
 except ImportError:  # built without a C compiler: Run:ai reads local files too
     _copier = None
 
-__all__ = ["IDLE_S", "FileMaps", "MappedReader", "available", "file_maps", "reader_for"]
+__all__ = ["IDLE_S", "FileMaps", "MappedReader", "available", "file_maps", "local_reader_in_force", "reader_for"]
 
 IDLE_S = 30.0  # a file mapping no load used for this long is dropped
 COPY_THREADS = min(12, len(os.sched_getaffinity(0)))
@@ -74,13 +74,23 @@ def available() -> bool:
     return _copier is not None
 
 
+def local_reader_in_force(local_reader: str = "mapped") -> str:
+    """How local directories are read, and why where it is not the setting: for the daemon's
+    start-up log and ``/readyz``, so that a copier that did not build is not a silent slowdown."""
+    if local_reader != "mapped":
+        return "runai (STREAMER_LOCAL_READER=runai)"
+    if _copier is None:
+        return "runai (the native copier is not built: reinstall streamer-service with a C compiler)"
+    if os.environ.get(FS_STRATEGY_ENV):
+        return f"runai ({FS_STRATEGY_ENV} is set)"
+    return "mapped"
+
+
 def reader_for(uri: StorageURI, local_reader: str = "mapped") -> type:
     """The reader class for a load of ``uri``: :class:`MappedReader` for a local directory
     (``local_reader`` ``"mapped"``, the extension built, no ``RUNAI_STREAMER_FS_STRATEGY``),
     else Run:ai's :class:`~streamer_service.runai.NativeReader`."""
-    if uri.is_local and local_reader == "mapped" and _copier is not None and not os.environ.get(FS_STRATEGY_ENV):
-        return MappedReader
-    return NativeReader
+    return MappedReader if uri.is_local and local_reader_in_force(local_reader) == "mapped" else NativeReader
 
 
 # --------------------------------------------------------------------------- mappings

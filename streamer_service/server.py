@@ -21,6 +21,7 @@ from streamer_client.connection import DaemonClient
 from streamer_client.errors import ConfigError, InvalidURIError
 
 from .api import PeerCredentialsProtocol, create_app
+from .mapped import local_reader_in_force
 from .runai import read_parallelism_in_force
 from .scrape import MetricsListener
 from .stats import DaemonStats
@@ -115,6 +116,11 @@ def serve(settings: Settings, *, socket_mode: int = 0o600) -> int:
             "Run:ai reads: %s",
             ", ".join(f"{name}={v['value']} ({v['source']})" for name, v in in_force.items()),
             extra={"read_parallelism": in_force},
+        )
+        local = local_reader_in_force(settings.local_reader)
+        (log.info if local.startswith(("mapped", "runai (STREAMER")) else log.warning)(
+            "local dirs: read %s", "through file mappings by the native copier" if local == "mapped" else f"by {local}",
+            extra={"local_reader": local},
         )
         if listener is not None:
             listener.start()

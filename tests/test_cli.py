@@ -152,8 +152,10 @@ def test_health_json_reports_readiness_and_read_parallelism(daemon):
         "RUNAI_STREAMER_S3_TARGET_GBPS": {"value": "25", "source": "settings"},
         "RUNAI_STREAMER_CHUNK_BYTESIZE": {"value": "8388608", "source": "run:ai default"},
     }
+    assert reply["local_reader"] == "mapped"  # the copier is built here (tests/test_mapped.py)
     log = d.log.read_text()
     assert "Run:ai reads: RUNAI_STREAMER_OBJ_CONCURRENCY=32 (settings), RUNAI_STREAMER_S3_TARGET_GBPS=25 (settings)" in log
+    assert "local dirs: read through file mappings by the native copier" in log
 
 
 def test_health_probe_imports_no_torch(tmp_path):

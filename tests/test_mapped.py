@@ -277,6 +277,19 @@ def test_an_embedded_cuda_load_reads_through_mappings_unless_set_otherwise(check
         assert file_maps().mapped == before and not _mapped_here(directory)
 
 
+def test_what_the_daemon_reports_it_reads_local_dirs_with(monkeypatch, tmp_path):
+    assert mapped.local_reader_in_force() == "mapped"
+    assert mapped.local_reader_in_force("runai") == "runai (STREAMER_LOCAL_READER=runai)"
+    monkeypatch.setenv("RUNAI_STREAMER_FS_STRATEGY", "io_uring_direct")
+    assert mapped.local_reader_in_force() == "runai (RUNAI_STREAMER_FS_STRATEGY is set)"
+    monkeypatch.delenv("RUNAI_STREAMER_FS_STRATEGY")
+    monkeypatch.setattr(mapped, "_copier", None)  # as where the extension did not build
+    assert mapped.local_reader_in_force() == (
+        "runai (the native copier is not built: reinstall streamer-service with a C compiler)"
+    )
+    assert reader_for(parse_uri(tmp_path)) is NativeReader
+
+
 def test_a_bad_local_reader_setting_is_refused(monkeypatch):
     monkeypatch.setenv("STREAMER_LOCAL_READER", "fast")
     with pytest.raises(ValidationError, match="local_reader"):
