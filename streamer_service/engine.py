@@ -2,7 +2,10 @@
 
 Data path (DESIGN.md 3): every batch of the plan gets a buffer we allocated;
 Run:ai's native reader writes each range directly into it (no copy through
-Python); tensors are built over those bytes in plan order.
+Python); tensors are built over those bytes in plan order. A load of a local
+directory to a CUDA device reads through :mod:`~streamer_service.mapped`
+instead (the files mapped, the ranges copied into the buffer by native
+threads; same interface, same buffers).
 
 Buffers:
 
