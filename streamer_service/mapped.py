@@ -288,11 +288,9 @@ class MappedReader:
             return
         self._started = False
         try:
-            pool = _pool()
             for submission in self._live:
                 if submission.ticket is not None:
-                    while _copier.wait(pool, submission.ticket, _POLL_MS) is None:
-                        pass
+                    _wait(submission.ticket)
         finally:
             self._live.clear()
             self._maps.leave()
@@ -317,7 +315,7 @@ class MappedReader:
             except OSError as exc:
                 for ri, read in enumerate(file.ranges):
                     errors[fi, ri] = StorageError(
-                        f"{_where(file.path, read)}: cannot open or map: {exc.strerror or exc}", uri=file.path
+                        f"{read.where(file.path)}: cannot open or map: {exc.strerror or exc}", uri=file.path
                     )
                 continue
             sources.append(mapping)
@@ -341,15 +339,13 @@ class MappedReader:
             submission = self._live[0]
             errors = dict(submission.errors)
             if submission.ticket is not None:
-                pool = _pool()
-                while (failed := _copier.wait(pool, submission.ticket, _POLL_MS)) is None:
-                    pass
+                failed = _wait(submission.ticket)
                 if failed >= 0:
                     fi, ri = submission.copies[failed]
                     file = submission.files[fi]
                     read = file.ranges[ri]
                     errors[fi, ri] = ObjectChangedError(
-                        f"{_where(file.path, read)}: the file was cut short while it was read", uri=file.path
+                        f"{read.where(file.path)}: the file was cut short while it was read", uri=file.path
                     )
             self._live.popleft()
             answers = [(fi, ri) for fi, file in enumerate(submission.files) for ri in range(len(file.ranges))]
@@ -363,11 +359,14 @@ class MappedReader:
         return f"MappedReader({'open' if self._started else 'closed'}, {len(self._live)} submissions)"
 
 
-def _where(path: str, read: ReadRange) -> str:
-    return f"{path}: bytes [{read.offset}, {read.end})"
+def _wait(ticket: int) -> int:
+    """Wait for a batch of the copier: -1, or the index of the copy that hit the end of its file."""
+    while (failed := _copier.wait(_pool(), ticket, _POLL_MS)) is None:
+        pass  # back in the interpreter between waits, so that Ctrl-C is handled
+    return failed
 
 
 def _shorter(path: str, read: ReadRange, size: int) -> ObjectChangedError:
     return ObjectChangedError(
-        f"{_where(path, read)}: End of file: the file has {size} bytes, fewer than the checkpoint's header says", uri=path
+        f"{read.where(path)}: End of file: the file has {size} bytes, fewer than the checkpoint's header says", uri=path
     )

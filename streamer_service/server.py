@@ -118,7 +118,8 @@ def serve(settings: Settings, *, socket_mode: int = 0o600) -> int:
             extra={"read_parallelism": in_force},
         )
         local = local_reader_in_force(settings.local_reader)
-        (log.info if local.startswith(("mapped", "runai (STREAMER")) else log.warning)(
+        # A warning where the setting asks for mapped reads and they are not in force.
+        (log.warning if settings.local_reader == "mapped" and local != "mapped" else log.info)(
             "local dirs: read %s", "through file mappings by the native copier" if local == "mapped" else f"by {local}",
             extra={"local_reader": local},
         )

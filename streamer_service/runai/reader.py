@@ -124,6 +124,10 @@ class ReadRange:
     def end(self) -> int:
         return self.offset + self.nbytes
 
+    def where(self, path: str) -> str:
+        """``path`` and this range, as every read error names them."""
+        return f"{path}: bytes [{self.offset}, {self.end})"
+
 
 @dataclass(frozen=True)
 class FileReads:
@@ -291,7 +295,7 @@ class NativeReader:
         if code != ResponseCode.SUCCESS and code not in _STORAGE_ERRORS:
             self._abort_all()
             raise StorageError(
-                f"{file.path}: bytes [{read.offset}, {read.end}): {self._describe(code)}; aborting the load",
+                f"{read.where(file.path)}: {self._describe(code)}; aborting the load",
                 uri=file.path,
             )
         if done or submission.remaining == 0:
@@ -300,7 +304,7 @@ class NativeReader:
         error = None
         if code != ResponseCode.SUCCESS:
             error = _STORAGE_ERRORS[code](
-                f"{file.path}: bytes [{read.offset}, {read.end}): {self._describe(code)}", uri=file.path
+                f"{read.where(file.path)}: {self._describe(code)}", uri=file.path
             )
         return RangeResult(submission_id, file_index, range_index, file.path, read, done, error)
 
