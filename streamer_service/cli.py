@@ -10,12 +10,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from pydantic import ValidationError
-
-from streamer_client.errors import ConfigError, InvalidURIError, StreamerError
+from streamer_client.errors import ConfigError, InvalidURIError, SettingsError, StreamerError
 
 from . import logs
-from .settings import DEFAULT_SOCKET, Settings, describe_invalid, get_settings
+from .settings import DEFAULT_SOCKET, Settings, get_settings, read_settings
 
 log = logging.getLogger("streamer_service")
 
@@ -34,11 +32,12 @@ def _settings(args: argparse.Namespace) -> Settings:
         value = getattr(args, field, None)
         if value not in (None, [], False):
             update[field] = value
-    return Settings(**update) if update else get_settings()
+    return read_settings(update) if update else get_settings()
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from .launch import resolve_launch_id
+    from streamer_client.launch import resolve_launch_id
+
     from .metadata import MetadataCache
 
     settings = _settings(args)
@@ -65,8 +64,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         settings = _settings(args)
-    except ValidationError as exc:
-        return _startup_error(args, describe_invalid(exc), exc)
+    except SettingsError as exc:
+        return _startup_error(args, str(exc), exc)
     try:
         return serve(settings, socket_mode=0o660 if settings.group_access else 0o600)
     except (ConfigError, InvalidURIError) as exc:
@@ -118,7 +117,7 @@ class _Version(argparse.Action):
 
         try:
             revision = get_settings().build_revision
-        except ValidationError:  # --version answers even where a STREAMER_* variable is bad
+        except SettingsError:  # --version answers even where a STREAMER_* variable is bad
             revision = "unknown"
         info = build_info(revision)
         print(
@@ -242,8 +241,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not isinstance(logging.getLevelName(level), int):  # --log-level is not validated by Settings
             raise ValueError(f"unknown log level {level!r}")
         fmt = args.log_format or settings.log_format
-    except ValidationError as exc:  # a bad STREAMER_* variable is a usage error, named as set (issue 14)
-        return _error(f"streamer-service {args.command}: error: {describe_invalid(exc)}", EXIT_USAGE,
+    except SettingsError as exc:  # a bad STREAMER_* variable is a usage error, named as set (issue 14)
+        return _error(f"streamer-service {args.command}: error: {exc}", EXIT_USAGE,
                       json_lines=args.log_format == "json", command=args.command, exc=exc)  # fmt: skip
     except ValueError as exc:
         return _error(f"streamer-service {args.command}: error: {exc}", EXIT_USAGE, json_lines=args.log_format == "json",
@@ -252,11 +251,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     json_lines = fmt == "json"
     try:
         return args.run(args)
+    except SettingsError as exc:  # a bad flag value: a usage error, like a bad variable
+        return _error(f"streamer-service {args.command}: error: {exc}", EXIT_USAGE, json_lines=json_lines, command=args.command, exc=exc)
     except StreamerError as exc:
         return _error(f"streamer-service {args.command}: error: {exc}", EXIT_ERROR, json_lines=json_lines, command=args.command, exc=exc)
-    except ValidationError as exc:
-        return _error(f"streamer-service {args.command}: error: {describe_invalid(exc)}", EXIT_USAGE, json_lines=json_lines,
-                      command=args.command, exc=exc)  # fmt: skip
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
 

@@ -108,7 +108,7 @@ def _verify_against_storage(uri: str, received: dict, cache_dir: str) -> list[st
     from .settings import get_settings
     from .storage import open_storage
 
-    settings = get_settings().model_copy(update={"cache_dir": Path(cache_dir)})
+    settings = get_settings().replace(cache_dir=Path(cache_dir))
     checkpoint = open_checkpoint(uri, settings)
     bad = []
     with open_storage(checkpoint.uri, settings) as storage:
@@ -147,8 +147,8 @@ def run(args: argparse.Namespace) -> int:
             build_sample(Path(truth_dir), args.size_mb)
             uri = truth_dir
         settings = get_settings()
-        if "cache_dir" not in settings.model_fields_set:  # STREAMER_CACHE_DIR unset: a cache of its own
-            settings = settings.model_copy(update={"cache_dir": Path(tmp) / "cache"})
+        if "cache_dir" not in settings.given:  # STREAMER_CACHE_DIR unset: a cache of its own
+            settings = settings.replace(cache_dir=Path(tmp) / "cache")
         catalog = open_checkpoint(uri, settings).catalog
         names = [t.name for t in catalog.tensors]
         selections = [rank_selection(names, r, args.ranks) for r in range(args.ranks)]
@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         cache_env = {"STREAMER_CACHE_DIR": str(settings.cache_dir)}
         # Ranks find segments where the daemon says, unless STREAMER_SHM_DIR says otherwise: where
         # it is set, the demo's daemon uses that dir too.
-        shm_dir = settings.shm_dir if "shm_dir" in settings.model_fields_set else None
+        shm_dir = settings.if_given("shm_dir")
         daemon = None if args.embedded else ChildDaemon(Path(tmp), args.shm_budget, env=cache_env, shm_dir=shm_dir)
         try:
             socket = str(daemon.socket) if daemon else None

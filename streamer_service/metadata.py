@@ -29,10 +29,9 @@ from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 
 from streamer_client.errors import CacheError, CheckpointError, ObjectChangedError, ObjectNotFoundError, StreamerError, UnsafeKeyError
-from streamer_client.launch import launch_origin
+from streamer_client.launch import launch_origin, resolve_launch_id
 from streamer_client.progress import bar
 
-from .launch import resolve_launch_id
 from .lock import FileLock
 from .settings import Settings
 from .storage import ObjectInfo, Storage, open_storage

@@ -198,7 +198,7 @@ def _serve(tmp_path, *args, env=None):
         (["--allow", "bogus://x"], {}, "--allow / STREAMER_ALLOW prefix 'bogus://x' is not a URI this daemon can read: unsupported URI scheme"),
         (["--allow", "s3:/x"], {}, "--allow / STREAMER_ALLOW prefix 's3:/x' is not a URI this daemon can read: checkpoint directory 's3:/x' does not exist"),
         ([], {"STREAMER_SHM_BUDGET": "lots"}, "STREAMER_SHM_BUDGET='lots': "),
-        (["--shm-budget", "1"], {}, "STREAMER_SHM_BUDGET='1': Value error, a budget of 1 bytes is below one slot (65536 bytes = 64KiB)"),
+        (["--shm-budget", "1"], {}, "STREAMER_SHM_BUDGET='1': a budget of 1 bytes is below one slot (65536 bytes = 64KiB)"),
         ([], {"STREAMER_ALLOW": "s3://okay/m, hdfs://nn/m"}, "prefix 'hdfs://nn/m' is not a URI this daemon can read"),
     ],
     ids=["shm-dir", "bogus-scheme", "one-slash", "env-budget", "budget-below-a-slot", "env-allow-list"],

@@ -63,7 +63,7 @@ def test_argument_errors(checkpoint):
     # Named as the caller passed it, in one line (not as STREAMER_SHM_BUDGET, not a pydantic dump).
     with pytest.raises(ConfigError, match=r"^invalid argument: budget='lots': [^\n]+$"):
         streamer_client.stream(checkpoint, budget="lots")
-    with pytest.raises(ConfigError, match=r"^invalid argument: budget='1': Value error, a budget of 1 bytes is below one slot"):
+    with pytest.raises(ConfigError, match=r"^invalid argument: budget='1': a budget of 1 bytes is below one slot"):
         streamer_client.stream(checkpoint, budget="1")
     with pytest.raises(ConfigError, match="borrowed views cannot be kept"):
         streamer_client.load_state_dict(checkpoint, borrowed=True)
@@ -159,11 +159,11 @@ def test_require_daemon_fails_instead_of_reading_storage(checkpoint, tmp_path, m
 
 
 def test_ranks_find_the_daemon_at_the_default_socket_the_daemon_serves_on():
-    from streamer_client import _config
+    from streamer_client import settings
     from streamer_service import server
 
-    assert server.DEFAULT_SOCKET == _config.DEFAULT_SOCKET == Path("/run/streamer/daemon.sock")
-    assert _config.client_config().socket is None  # STREAMER_SOCKET unset: the default is probed
+    assert server.DEFAULT_SOCKET == settings.DEFAULT_SOCKET == Path("/run/streamer/daemon.sock")
+    assert settings.Settings().socket is None  # STREAMER_SOCKET unset: the default is probed
 
 
 TWO_STORES = textwrap.dedent(

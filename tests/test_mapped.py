@@ -18,9 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from pydantic import ValidationError
 
-from streamer_client.errors import ObjectChangedError, StorageError
+from streamer_client.errors import ObjectChangedError, SettingsError, StorageError
 from streamer_service import mapped
 from streamer_service.catalog import build_catalog
 from streamer_service.engine import EmbeddedEngine, EngineConfig
@@ -292,7 +291,7 @@ def test_what_the_daemon_reports_it_reads_local_dirs_with(monkeypatch, tmp_path)
 
 def test_a_bad_local_reader_setting_is_refused(monkeypatch):
     monkeypatch.setenv("STREAMER_LOCAL_READER", "fast")
-    with pytest.raises(ValidationError, match="local_reader"):
+    with pytest.raises(SettingsError, match="^STREAMER_LOCAL_READER='fast': not one of mapped, runai$"):
         Settings()
 
 

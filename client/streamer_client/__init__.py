@@ -18,10 +18,11 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import _config, errors
+from . import errors
 from .errors import StreamerError
 from .launch import resolve_launch_id
 from .request import StreamRequest
+from .settings import DEFAULT_SOCKET, Settings
 
 if TYPE_CHECKING:
     import torch
@@ -55,7 +56,7 @@ def pull_metadata(
         with contextlib.closing(client):
             # The rank's TRTLLM_OBJECT_STORAGE_FORCE_PULL, as stream() sends it: the daemon's
             # environment is not the rank's (issue 14: a forced stream() with a stale config).
-            force = _config.client_config().force_pull if force is None else force
+            force = Settings().if_given("force_pull") if force is None else force
             body = {"uri": os.fspath(uri), "force": force, "launch_id": launch_id or _launch_id()}
             return Path(client.call("/v1/metadata", body, read_timeout=None)["path"])
     from ._embedded import pull_in_process
@@ -67,22 +68,22 @@ _said_embedded = False
 
 
 def _launch_id() -> str:
-    cfg = _config.client_config()
-    return resolve_launch_id(None, cfg.launch_id, cfg.torchelastic_run_id)
+    return resolve_launch_id(Settings())
 
 
 def _daemon(socket: str | os.PathLike | None, require: bool = False):
     """A client for the daemon (``socket``, ``STREAMER_SOCKET`` or ``DEFAULT_SOCKET``), or None:
     in-process mode, logged once. ``require`` (or ``STREAMER_REQUIRE_DAEMON=1``): none is an error."""
     global _said_embedded
-    cfg = _config.client_config()
-    configured = socket if socket is not None else cfg.socket
-    path = configured if configured is not None else _config.DEFAULT_SOCKET
-    require = require or cfg.require_daemon
+    settings = Settings()
+    configured = socket if socket is not None else settings.socket
+    path = configured if configured is not None else DEFAULT_SOCKET
+    require = require or settings.require_daemon
     if configured is not None or require or os.path.exists(path):
         from .connection import DaemonClient
 
-        client = DaemonClient(path, connect_timeout_s=cfg.connect_timeout_s, token=cfg.token)
+        token = settings.token.get_secret_value() if settings.token else None
+        client = DaemonClient(path, connect_timeout_s=settings.connect_timeout_s, token=token)
         if client.reachable():
             return client
         client.close()
@@ -178,7 +179,7 @@ def _progress_mode(asked: bool) -> str:
     """The bar mode for a ``stream`` call: ``off`` unless asked; tqdm checked now, before any work."""
     from . import progress
 
-    mode = progress.check_mode(_config.client_config().progress) if asked else "off"
+    mode = Settings().progress if asked else "off"
     if mode != "off":
         progress.require_tqdm()
     return mode

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from .errors import ConfigError
+from .settings import Settings, read_settings
 
 # Settings fields whose public argument has another name (for error messages).
 _ARGUMENTS = {"shm_budget": "budget"}
@@ -70,21 +71,7 @@ def _not_installed(exc: ModuleNotFoundError) -> BaseException:
     return exc
 
 
-def settings(**overrides):
-    """The service settings, with per-call overrides (None means: keep the configured value).
-
-    Overrides are validated like the environment is (``budget="8GiB"`` works, a bad one raises).
-    """
-    try:
-        from pydantic import ValidationError
-        from streamer_service.settings import Settings, describe_invalid, get_settings
-    except ModuleNotFoundError as exc:
-        raise _not_installed(exc) from None
-    update = {k: v for k, v in overrides.items() if v is not None}
-    if not update:
-        return get_settings()
-    try:
-        return Settings(**update)
-    except ValidationError as exc:
-        passed = {field: _ARGUMENTS.get(field, field) for field in update}
-        raise ConfigError(f"invalid argument: {describe_invalid(exc, passed)}") from None
+def settings(**overrides) -> Settings:
+    """The environment's settings now, with per-call overrides (None means: keep the configured
+    value), parsed alike: ``budget="8GiB"`` works, a bad one raises ``SettingsError`` naming it."""
+    return read_settings({k: v for k, v in overrides.items() if v is not None}, arguments=_ARGUMENTS)

@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 from . import errors, protocol
-from ._config import client_config
 from .dtypes import byte_view, tensor_over, torch_dtype
 from .errors import StreamerError
 from .leases import Leases
@@ -32,6 +31,7 @@ from .devices import resolve_device
 from .protocol import Handle, JoinReply, NextReply
 from .request import StreamRequest
 from .segments import map_segment, segment_maps
+from .settings import Settings
 
 __all__ = ["DaemonClient", "daemon_stream"]  # DaemonClient: re-exported from .connection
 
@@ -69,7 +69,7 @@ def daemon_stream(client: DaemonClient, request: StreamRequest) -> Iterator[tupl
     """Join (eagerly: selection errors raise here) and return the iterator over the tensors.
     ``request.launch_id`` is resolved already."""
     device = resolve_device(request.device)
-    cfg = client_config()
+    cfg = Settings()
     reply = client.call(
         protocol.JOIN_PATH,
         {
@@ -77,12 +77,12 @@ def daemon_stream(client: DaemonClient, request: StreamRequest) -> Iterator[tupl
             "world_size": request.world_size,
             "select": list(request.select) if request.select is not None else None,
             "priority": list(request.priority) if request.priority else None, "launch_id": request.launch_id,
-            "force": cfg.force_pull,
+            "force": cfg.if_given("force_pull"),
         },  # fmt: skip
         read_timeout=None,  # blocks until every rank joined; the daemon enforces the join timeout
     )
     joined = JoinReply.from_wire(reply)
-    shm_dir = cfg.shm_dir if cfg.shm_dir is not None else Path(joined.shm_dir)
+    shm_dir = cfg.if_given("shm_dir") or Path(joined.shm_dir)
     tensors = _Receiver(client, shm_dir, joined.session_id, request.rank, device, request.borrowed).run()
     if request.progress == "off":
         return tensors

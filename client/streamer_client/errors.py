@@ -7,6 +7,7 @@ builtin, so callers can catch what they already know::
     StreamerError (Exception)
     ├── InvalidURIError (ValueError)          a URI we cannot read from
     ├── ConfigError (ValueError)              a setting or argument out of range
+    │   └── SettingsError                     a variable or argument the settings schema refuses
     ├── UnsafeKeyError (ValueError)           an object key that would escape the cache dir
     ├── CheckpointError (ValueError)          a checkpoint we refuse to load
     │   ├── HeaderError                       a safetensors header that fails validation
@@ -32,6 +33,7 @@ __all__ = [
     "StreamerError",
     "InvalidURIError",
     "ConfigError",
+    "SettingsError",
     "UnsafeKeyError",
     "CheckpointError",
     "HeaderError",
@@ -75,6 +77,11 @@ class InvalidURIError(StreamerError, ValueError):
 
 class ConfigError(StreamerError, ValueError):
     """A setting or an argument is out of range."""
+
+
+class SettingsError(ConfigError):
+    """An environment variable or an argument that its setting's parser refuses; the message names
+    each one with its value (``STREAMER_SHM_BUDGET='lots': not a size: ...``)."""
 
 
 class UnsafeKeyError(StreamerError, ValueError):

@@ -4,7 +4,8 @@ Used for force-pull-once metadata semantics and as the default daemon session
 key (the ranks of one launch on one node share one load). In order:
 
 1. an explicit ``STREAMER_LAUNCH_ID`` (a job id, a pod UID, ...);
-2. ``TORCHELASTIC_RUN_ID``, which torchrun sets for every rank of a run (unless ``none``);
+2. ``TORCHELASTIC_RUN_ID``, which torchrun sets for every rank of a run (its ``none``, torchrun
+   without a rendezvous id, is read as unset: ``streamer_client.settings``);
 3. the parent process, ``ppid-<pid>-<start time>``: ranks one launcher process started share
    it, and the start time keeps a recycled PID from looking like the same launch.
 """
@@ -12,6 +13,10 @@ key (the ranks of one launch on one node share one load). In order:
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .settings import Settings
 
 __all__ = ["resolve_launch_id", "process_launch_id", "launch_origin"]
 
@@ -32,16 +37,15 @@ def process_launch_id(pid: int) -> str:
     return f"ppid-{pid}-{_start_ticks(pid)}"
 
 
-def resolve_launch_id(
-    explicit: str | None, configured: str | None, torchelastic_run_id: str | None, fallback: str | None = None
-) -> str:
-    """The launch id by the rules above; ``fallback`` replaces rule 3 (the CLI is its own launch)."""
+def resolve_launch_id(settings: Settings, explicit: str | None = None, fallback: str | None = None) -> str:
+    """The launch id by the rules above: ``explicit`` (a ``launch_id=`` argument) first, then the
+    settings; ``fallback`` replaces rule 3 (the CLI is its own launch)."""
     if explicit:
         return explicit
-    if configured:
-        return configured
-    if torchelastic_run_id and torchelastic_run_id != "none":
-        return f"torchelastic-{torchelastic_run_id}"
+    if settings.launch_id:
+        return settings.launch_id
+    if settings.torchelastic_run_id:
+        return f"torchelastic-{settings.torchelastic_run_id}"
     return fallback or process_launch_id(os.getppid())
 
 

@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _config(args: argparse.Namespace, work: Path):
-    from pydantic import ByteSize, TypeAdapter
+    from streamer_client.settings import byte_size
 
     from ..engine import BUFFERED_FS_STRATEGY
     from .ranks import Mode
@@ -69,13 +69,13 @@ def _config(args: argparse.Namespace, work: Path):
     if args.runai_concurrency:
         runai_env["RUNAI_STREAMER_CONCURRENCY"] = str(args.runai_concurrency)
     if args.runai_chunk:
-        runai_env["RUNAI_STREAMER_CHUNK_BYTESIZE"] = str(int(TypeAdapter(ByteSize).validate_python(args.runai_chunk)))
+        runai_env["RUNAI_STREAMER_CHUNK_BYTESIZE"] = str(byte_size()(args.runai_chunk))
     ranks = tuple(int(n) for n in split(args.ranks))
     if not ranks or min(ranks) < 1 or args.reps < 1 or args.warmup < 0:
         raise ValueError("--ranks needs counts >= 1, --reps >= 1, --warmup >= 0")
     return BenchConfig(
         sources=tuple(split(args.source)),
-        size_bytes=int(TypeAdapter(ByteSize).validate_python(args.size)),
+        size_bytes=byte_size()(args.size),
         ranks=ranks,
         scenarios=tuple(Scenario(s) for s in split(args.scenarios)),
         modes=tuple(Mode(m.upper()) for m in split(args.modes)),
