@@ -3,6 +3,7 @@ Neither does pulling metadata in-process (vLLM's and the CLI's first step)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -85,3 +86,14 @@ def test_the_first_in_process_load_imports_the_service_without_collecting(sample
     got = json.loads(result.stdout.strip().splitlines()[-1])
     assert got["tensors"] > 0 and got["during_import"] == []
     assert got["enabled"] is (caller == "collecting"), "the collector is left as the caller had it"
+
+
+def test_every_scheme_has_a_backend():
+    from streamer_service.storage import BACKENDS, Storage
+    from streamer_service.uri import Scheme
+
+    assert set(BACKENDS) == set(Scheme)
+    for scheme, where in BACKENDS.items():
+        module, _, name = where.partition(":")
+        backend = getattr(importlib.import_module(f"streamer_service.storage.{module}"), name)
+        assert issubclass(backend, Storage), scheme
