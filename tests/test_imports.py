@@ -1,8 +1,11 @@
-"""What importing the daemon costs: no torch (issue 13.4: 0.8 s of start-up and ~240 MiB RSS).
-Neither does pulling metadata in-process (vLLM's and the CLI's first step)."""
+"""What a process imports. The daemon: no torch (0.8 s of start-up and ~240 MiB RSS); neither
+does pulling metadata in-process (vLLM's and the CLI's first step). A rank's load, in-process or
+through a daemon: nothing heavy (pydantic, the web stack, cloud SDKs), so that a fresh engine
+process starts its first load without paying for them."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import os
@@ -11,6 +14,9 @@ import sys
 import textwrap
 
 import pytest
+import torch
+
+from checkpoints import ground_truth, tensor_bytes
 
 BLOCK_TORCH = textwrap.dedent(
     """
@@ -56,36 +62,70 @@ def test_pulling_metadata_in_process_does_not_import_torch(sample, tmp_path):
     assert (result.returncode, result.stdout.strip()) == (0, "ok"), result.stderr[-3000:]
 
 
-FIRST_LOAD_COLLECTIONS = textwrap.dedent(
+HEAVY = ("pydantic", "pydantic_settings", "pydantic_core", "fastapi", "starlette", "uvicorn", "boto3", "botocore", "google.cloud", "azure")
+
+# Imports after torch, numpy and httpx (what an engine process has) are watched: a heavy one is
+# refused and recorded, so that one imported under ``try: ... except ImportError`` shows too.
+LIGHT_LOAD = textwrap.dedent(
     """
-    import gc, json, sys
-    import torch, streamer_client
-    if sys.argv[3] == "paused-by-the-caller":
-        gc.disable()
-    during = []
+    import gc, hashlib, importlib.abc, json, sys
+    import torch, numpy, httpx
+    HEAVY = tuple(json.loads(sys.argv[3]))
+    attempted = []
 
-    def importing():
-        module = sys.modules.get("streamer_service.embedded")
-        return module is None or getattr(module.__spec__, "_initializing", False)
+    class RefuseHeavy(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if any(name == h or name.startswith(h + ".") for h in HEAVY):
+                attempted.append(name)
+                raise ImportError(f"{name} imported by a rank's load")
 
-    gc.callbacks.append(lambda phase, info: phase == "start" and importing() and during.append(info["generation"]))
-    state = streamer_client.load_state_dict(sys.argv[1], cache_dir=sys.argv[2])
-    print(json.dumps({"tensors": len(state), "during_import": during, "enabled": gc.isenabled()}))
+    sys.meta_path.insert(0, RefuseHeavy())
+    full = []
+    gc.callbacks.append(lambda phase, info: phase == "start" and info["generation"] == 2 and full.append(1))
+    import streamer_client
+    state = streamer_client.load_state_dict(sys.argv[1], device=sys.argv[2])
+    digests = {n: hashlib.sha256(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+               for n, t in state.items()}
+    loaded = sorted(m for m in sys.modules if any(m == h or m.startswith(h + ".") for h in HEAVY))
+    devices = sorted({str(t.device) for t in state.values()})
+    print(json.dumps({"digests": digests, "attempted": attempted, "loaded": loaded, "devices": devices,
+                      "service": "streamer_service" in sys.modules, "full_collections": len(full)}))
     """
 )
+DEVICES = ["cpu", pytest.param("cuda:0", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))]
 
 
-@pytest.mark.parametrize("caller", ["collecting", "paused-by-the-caller"])
-def test_the_first_in_process_load_imports_the_service_without_collecting(sample, tmp_path, caller):
-    # The service's first import (pydantic-settings, the engine) set off 35 collections, one of them
-    # full, which in a process with torch walks torch's objects: 0.26 of its 0.46 s on a 2-core VM.
-    env = {k: v for k, v in os.environ.items() if k != "STREAMER_SOCKET"}
-    code = [sys.executable, "-c", FIRST_LOAD_COLLECTIONS, str(sample), str(tmp_path / "cache"), caller]
-    result = subprocess.run(code, env=env, capture_output=True, text=True, timeout=120)
+def _light_load(uri, device: str, env: dict[str, str]) -> dict:
+    result = subprocess.run([sys.executable, "-c", LIGHT_LOAD, str(uri), device, json.dumps(HEAVY)], env=env,
+                            capture_output=True, text=True, timeout=180)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    got = json.loads(result.stdout.strip().splitlines()[-1])
-    assert got["tensors"] > 0 and got["during_import"] == []
-    assert got["enabled"] is (caller == "collecting"), "the collector is left as the caller had it"
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _digests(directory) -> dict[str, str]:
+    return {name: hashlib.sha256(tensor_bytes(t)).hexdigest() for name, t in ground_truth(directory).items()}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_in_process_load_imports_nothing_heavy(sample, tmp_path, device):
+    env = {k: v for k, v in os.environ.items() if k != "STREAMER_SOCKET"}  # none at the default socket: in-process
+    got = _light_load(sample, device, env)
+    assert (got["attempted"], got["loaded"]) == ([], [])
+    assert got["service"] and got["devices"] == [device]
+    assert got["digests"] == _digests(sample)
+    # The collector is left running: the engine's first import no longer sets off a full
+    # collection (which, in a process with torch, walks every object torch made).
+    assert got["full_collections"] == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_load_through_the_daemon_imports_nothing_heavy_nor_the_service(daemon, sample, device):
+    d = daemon()
+    got = _light_load(sample, device, d.rank_env())
+    assert (got["attempted"], got["loaded"]) == ([], [])
+    assert not got["service"], "the rank fell back to loading in-process, or imported the service"
+    assert got["devices"] == [device]
+    assert got["digests"] == _digests(sample)
 
 
 def test_every_scheme_has_a_backend():

@@ -6,10 +6,6 @@ SDKs or Run:ai; this module is the one place that does, on first embedded use.
 
 from __future__ import annotations
 
-import contextlib
-import gc
-import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 from .errors import ConfigError
@@ -23,8 +19,7 @@ def stream_in_process(request):
     """:func:`streamer_service.embedded.stream` for ``request`` (a :class:`StreamRequest`), with
     its budget and cache dir over the configured settings."""
     try:
-        with _collector_paused("streamer_service.embedded"):
-            from streamer_service.embedded import stream
+        from streamer_service.embedded import stream
     except ModuleNotFoundError as exc:
         raise _not_installed(exc) from None
     return stream(request, settings(cache_dir=request.cache_dir, shm_budget=request.budget))
@@ -38,28 +33,6 @@ def pull_in_process(uri: str, *, cache_dir: Path | None, force: bool | None, lau
     except ModuleNotFoundError as exc:
         raise _not_installed(exc) from None
     return MetadataCache(settings(cache_dir=cache_dir)).pull(uri, force=force, launch_id=launch_id)
-
-
-@contextlib.contextmanager
-def _collector_paused(module: str) -> Iterator[None]:
-    """Python's cyclic garbage collector paused while ``module`` is first imported.
-
-    Importing the service (pydantic-settings, the engine) allocates enough container objects to
-    set off 35 collections, one of them full, and in a process that imported torch a full one
-    walks every object torch left: 0.26 of the 0.46 s that ``import streamer_service.embedded``
-    took after torch on a 2-core VM (0.19 s paused); on an H200 host a process's first load of a
-    6 GB checkpoint went from 0.397 to 0.357 s. A module's objects live as long as the process,
-    so the paused collections would have freed next to nothing; the collector runs again as soon
-    as the import is done. Left alone when it was already paused or the module is imported already.
-    """
-    if module in sys.modules or not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 def _not_installed(exc: ModuleNotFoundError) -> BaseException:
