@@ -73,7 +73,8 @@ def number(*, ge: float | None = None, gt: float | None = None) -> Callable[[Any
 _UNITS = {"": 1, "b": 1}
 for _i, _prefix in enumerate("kmgtpe", start=1):
     _UNITS.update({_prefix: 1000**_i, f"{_prefix}b": 1000**_i, f"{_prefix}ib": 1024**_i})
-_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*([a-z]*)\s*", re.IGNORECASE)
+# Compiled on first use (re's cache), not at import.
+_SIZE = r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*"
 
 
 def size_text(nbytes: int) -> str:
@@ -90,7 +91,7 @@ def byte_size(*, ge: int | None = None, gt: int | None = None, le: int | None = 
         nbytes = None
         if isinstance(value, int) and not isinstance(value, bool):
             nbytes = value
-        elif isinstance(value, str) and (match := _SIZE.fullmatch(value)) and match[2].lower() in _UNITS:
+        elif isinstance(value, str) and (match := re.fullmatch(_SIZE, value)) and match[2].lower() in _UNITS:
             scalar, unit = match[1], _UNITS[match[2].lower()]
             with contextlib.suppress(OverflowError):  # a fraction too large for a float
                 nbytes = int(scalar) * unit if "." not in scalar else int(float(scalar) * unit)
