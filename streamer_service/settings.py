@@ -33,7 +33,7 @@ __all__ = [
     "get_settings", "read_settings", "settings_model",
 ]  # fmt: skip
 
-_ROWS = {row.name: row for row in SETTINGS}
+_BY_VARIABLE = {name: row for row in SETTINGS for name in row.env}
 
 FEW_SLOTS = 4
 """A budget of fewer slots than this (of the configured slot size) is accepted with a warning."""
@@ -76,7 +76,7 @@ def read_settings(overrides: Mapping[str, Any] | None = None, *, arguments: Mapp
     overrides = dict(overrides or {})
     check_names(overrides)
     try:
-        model = settings_model()(**{_ROWS[name].env[0]: value for name, value in overrides.items()})
+        model = settings_model()(**{getattr(Settings, name).env[0]: value for name, value in overrides.items()})
     except ValidationError as exc:
         raise SettingsError(_describe(exc, overrides, arguments)) from None
     return Settings.from_values({row.name: getattr(model, row.name) for row in SETTINGS}, model.model_fields_set)
@@ -84,10 +84,9 @@ def read_settings(overrides: Mapping[str, Any] | None = None, *, arguments: Mapp
 
 def _describe(exc: ValidationError, overrides: Mapping[str, Any], arguments: Mapping[str, str] | None) -> str:
     """pydantic's errors in the plain reader's words (``STREAMER_SHM_BUDGET='lots': ...``)."""
-    rows = {key: row for row in SETTINGS for key in (row.name, *row.env)}
     problems = []
     for error in exc.errors():
-        row = rows[str(error["loc"][0])]
+        row = _BY_VARIABLE[str(error["loc"][0])]  # arguments go by the first variable too
         # A parser's ValueError comes back as pydantic's "value_error" with the exception itself.
         cause = (error.get("ctx") or {}).get("error")
         message = str(cause) if error["type"] == "value_error" and cause is not None else error["msg"]

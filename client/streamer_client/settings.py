@@ -109,7 +109,6 @@ class Setting:
         return f"Setting({self.name!r}, env={self.env!r}, default={self.default_value()!r})"
 
 
-
 _AZURE = "Azure (the account is not part of az:// URIs; Run:ai's reader reads these variables too): "
 
 
@@ -193,7 +192,6 @@ class Settings:
         parsed, given = _read({}, changes, None)
         values = {name: parsed[name] if name in changes else getattr(self, name) for name in NAMES}
         return Settings.from_values(values, self.given | given)
-
 
     # Written out rather than a frozen dataclass: generating the dataclass methods of 44 fields
     # was most of this module's import time, which every rank process pays.
