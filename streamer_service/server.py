@@ -105,8 +105,8 @@ def serve(settings: Settings, *, socket_mode: int = 0o600) -> int:
     sockets: list[socket.socket] = []
     try:
         sockets.append(bind_unix_socket(path, socket_mode))
-        # Secret fields (token, Azure key, SAS, connection string) show as "**********".
-        log.debug("settings: %r", settings)
+        # Secret fields (token, Azure key, SAS, connection string) dump as "**********".
+        log.debug("settings: %s", settings.to_json())
         log.info("serving on unix socket %s (mode %o)", path, socket_mode, extra={"socket": str(path)})
         if settings.tcp_port is not None:
             sockets.append(bind_loopback(settings.tcp_port))

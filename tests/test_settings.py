@@ -1,3 +1,4 @@
+import os
 import re
 from pathlib import Path
 
@@ -125,3 +126,15 @@ def test_given_names_what_was_set_and_replace_parses(monkeypatch):
         s.replace(slot_size="x")
     with pytest.raises(TypeError, match="no such setting: shm_budgett"):
         Settings(shm_budgett="1GiB")
+
+
+def test_the_json_dump_keeps_secrets_out(monkeypatch):
+    import json
+
+    monkeypatch.setenv("STREAMER_TOKEN", "SUPERSECRETKEY")
+    monkeypatch.setenv("STREAMER_ALLOW", "s3://a/m gs://b/m")
+    dumped = Settings().to_json()
+    assert "SUPERSECRETKEY" not in dumped
+    values = json.loads(dumped)
+    assert values["token"] == "**********" and values["allow"] == ["s3://a/m", "gs://b/m"]
+    assert values["shm_dir"] == os.environ["STREAMER_SHM_DIR"] and values["shm_budget"] == 4 * 1024**3

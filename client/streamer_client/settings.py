@@ -18,6 +18,7 @@ case-sensitive; a value passed as an argument wins over the environment. The par
 than one field are ``streamer_client.parsers``; those of a single field are here.
 """
 
+import json
 import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -192,6 +193,16 @@ class Settings:
         parsed, given = _read({}, changes, None)
         values = {name: parsed[name] if name in changes else getattr(self, name) for name in NAMES}
         return Settings.from_values(values, self.given | given)
+
+    def to_json(self) -> str:
+        """The values as one JSON object (paths as text, secrets as ``**********``), for logs."""
+
+        def plain(value: Any) -> Any:
+            if isinstance(value, (Path, Secret)):
+                return str(value)
+            return list(value) if isinstance(value, tuple) else value
+
+        return json.dumps({name: plain(getattr(self, name)) for name in NAMES})
 
     # Written out rather than a frozen dataclass: generating the dataclass methods of 44 fields
     # was most of this module's import time, which every rank process pays.
