@@ -68,7 +68,7 @@ PEER_PID = "streamer.peer_pid"
 
 class PeerCredentialsProtocol(AutoHTTPProtocol):
     """uvicorn's HTTP protocol, adding the peer's PID of a unix-socket connection to each request's
-    scope, so the daemon can watch a rank's process (issue 14.8). Imported only by ``serve``."""
+    scope, so the daemon can watch a rank's process. Imported only by ``serve``."""
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
@@ -231,7 +231,7 @@ def create_app(settings: Settings) -> FastAPI:
         )
         rank = session.ranks[body.rank]
         # The shm dir as the daemon sees it; STREAMER_SHM_DIR overrides it in a rank that mounts
-        # the same dir elsewhere (issue 13.5).
+        # the same dir elsewhere.
         shm_dir = str(daemon(request).store.shm_dir)
         return JoinReply(session.id, rank.to_hand_out, rank.nbytes, str(session.checkpoint.metadata_dir), shm_dir).to_wire()
 

@@ -3,10 +3,10 @@
 :class:`HostBuffer` is private anonymous memory that Run:ai writes into (a ring slot, an oversized
 tensor's buffer in a CPU load, or, for safe CPU tensors, memory handed to the caller).
 
-:class:`PinnedPool` (issue 16, item 2). A load to a CUDA device page-locks its ring slots
+:class:`PinnedPool`. A load to a CUDA device page-locks its ring slots
 (``cudaHostRegister``) so that the copies run at the link rate; on an H200 host registering costs
 0.05 s/GiB on 4 KiB pages, and unregistering at the end of the load more again: 0.29 s of a
-0.63 s load of 6.44 GB (docs/benchmarks.md, "Issue 16"). The pool keeps a load's slots, still
+0.63 s load of 6.44 GB (docs/benchmarks.md). The pool keeps a load's slots, still
 page-locked, when the load ends, and the next load in the process takes them instead of making
 and registering new ones. The rules:
 

@@ -11,7 +11,7 @@ Which files make up the checkpoint:
   (``model.safetensors`` and ``model-00001-of-00002.safetensors``) are refused:
   loading both would duplicate or mix weights, and picking one is a guess.
 
-Tensor order is checkpoint order (DESIGN.md 3.4): files in the index's order of
+Tensor order is checkpoint order (docs/architecture.md): files in the index's order of
 first appearance (sorted names without an index), then offset within a file.
 """
 

@@ -28,7 +28,7 @@ __all__ = ["Checkpoint", "open_checkpoint"]
 
 log = logging.getLogger(__name__)
 
-# What fixes a checkpoint that is inconsistent as listed: the next load lists it again (issue 14).
+# What fixes a checkpoint that is inconsistent as listed: the next load lists it again.
 _LISTED_AGAIN = "listed just now; if an upload is still in progress, load again once it has finished"
 
 
@@ -56,7 +56,7 @@ def open_checkpoint(
         except (CheckpointError, ObjectNotFoundError) as exc:
             if cache.downloads:
                 raise  # listed just now: the checkpoint itself is inconsistent
-            # The cached listing may predate the end of an upload (issue 14): list once more
+            # The cached listing may predate the end of an upload: list once more
             # before failing, so a finished upload loads without a forced pull.
             log.info("%s; pulling the metadata of %s again in case its cached listing is out of date", exc, uri)
             metadata_dir, marker = cache.pull_marker(uri, force=force, launch_id=launch_id, stale=marker)

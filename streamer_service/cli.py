@@ -74,7 +74,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _startup_error(args: argparse.Namespace, message: str, exc: BaseException) -> int:
-    """A refused start: one line and exit 2, nothing served (issue 14; docs/daemon.md, "Exit codes")."""
+    """A refused start: one line and exit 2, nothing served (docs/daemon.md, "Exit codes")."""
     json_lines = (args.log_format or get_settings().log_format) == "json"
     return _error(f"streamer-service serve: error: {message}", EXIT_USAGE, json_lines=json_lines, command="serve", exc=exc)
 
@@ -241,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not isinstance(logging.getLevelName(level), int):  # --log-level is not validated by Settings
             raise ValueError(f"unknown log level {level!r}")
         fmt = args.log_format or settings.log_format
-    except SettingsError as exc:  # a bad STREAMER_* variable is a usage error, named as set (issue 14)
+    except SettingsError as exc:  # a bad STREAMER_* variable is a usage error, named as set
         return _error(f"streamer-service {args.command}: error: {exc}", EXIT_USAGE,
                       json_lines=args.log_format == "json", command=args.command, exc=exc)  # fmt: skip
     except ValueError as exc:

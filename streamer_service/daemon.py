@@ -42,7 +42,7 @@ _ENDED_KEPT = 256  # how many ended sessions' outcomes are remembered (rejoins, 
 
 @dataclass
 class _Refusal:
-    """A rank of a group was refused at its join: the rest of the group is told at once (issue 14.7)."""
+    """A rank of a group was refused at its join: the rest of the group is told at once."""
 
     rank: int
     error: SessionError
@@ -62,7 +62,7 @@ class EndedSession:
     def next(self, rank: int, release: Sequence[int], wait_s: float):
         if self.error is not None:  # a rank asking after its session failed learns why, not just "gone"
             raise type(self.error)(self.error.message, uri=self.error.uri, key=self.error.key)
-        if rank in self.done:  # e.g. a load of zero tensors, over before its ranks first asked (issue 14.6)
+        if rank in self.done:  # e.g. a load of zero tensors, over before its ranks first asked
             return [], True
         raise SessionError(f"unknown or finished session {self.id!r}")
 
@@ -110,7 +110,7 @@ class Daemon:
         self.pool = SegmentPool(self.store, self.budget, self.settings.segment_idle_s)
         if self.settings.segment_prepare and self.settings.segment_idle_s > 0 and not self.resident.enabled:
             # The first load's ring, made now: a fresh daemon's first load otherwise pays the
-            # zero-fill and mapping of every segment on its own thread (issue 16, docs/deploy.md).
+            # zero-fill and mapping of every segment on its own thread (docs/deploy.md).
             self.pool.start_preparing(self.slot_size, min(self.budget.limit // self.slot_size, MAX_RING_SLOTS))
         if not self._allow:
             log.warning("no --allow prefixes: this daemon will read any URI its credentials reach")

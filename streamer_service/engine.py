@@ -1,6 +1,6 @@
 """The embedded engine: plan -> Run:ai reads straight into our buffers -> tensors, in one process.
 
-Data path (DESIGN.md 3): every batch of the plan gets a buffer we allocated;
+Data path (docs/architecture.md): every batch of the plan gets a buffer we allocated;
 Run:ai's native reader writes each range directly into it (no copy through
 Python); tensors are built over those bytes in plan order. A load of a local
 directory to a CUDA device reads through :mod:`~streamer_service.mapped`
@@ -28,7 +28,7 @@ so up to ``budget // slot_bytes`` Run:ai submissions (plus one oversized) run
 concurrently; a slot is refilled as soon as its batch has been delivered.
 Batches complete in any order; they are delivered in plan order.
 
-Delivery modes (DESIGN.md 3.6, safe by default):
+Delivery modes (safe by default; docs/architecture.md):
 
 - default (CPU): Run:ai reads each batch straight into memory the caller
   keeps, as Run:ai's own ``owned=True`` does: a slot is a fresh buffer of the
@@ -170,7 +170,7 @@ of them (four), whatever the budget and slot size. The copies drain a slot at th
 (55 GB/s on an H200: 1.2 ms per 64 MiB), so a few keep the reads busy; small slots start the
 first copy early and end the last one soon after the last read; and page-locking is a first
 load's largest cost (0.07 s/GiB on an H200 host: the whole 4 GiB default ring took 0.37 s of a
-1.2 s first load). Measured on an H200 host, 6.44 GB from tmpfs (docs/benchmarks.md, issue 16):
+1.2 s first load). Measured on an H200 host, 6.44 GB from tmpfs (docs/benchmarks.md):
 with 4 x 64 MiB a process's first load ran at 25-30 GB/s and its reloads at 30-36, against 13-15
 and 31-33 with 4 x 256 MiB; smaller rings or slots were slower."""
 

@@ -4,7 +4,7 @@
 with SIGKILL never leaves the lock held. The lock only prevents doing work
 twice; correctness comes from the temp dir + rename in ``metadata``.
 
-Why not ``filelock`` (installed with torch; issue 13 asked): the daemon must not need torch's
+Why not ``filelock`` (installed with torch): the daemon must not need torch's
 dependencies, and filelock 4.3 on Linux does more than ``flock``: it creates and unlinks
 ``.filelock-probe-*`` files in the lock's directory (our cache root) to detect filesystems
 without ``flock``, may fall back to "soft" locks, and swaps a lock file aside when it finds an

@@ -54,7 +54,7 @@ def configure(level: str, fmt: str, stream=None) -> None:
     root.addHandler(handler)
     root.setLevel(level)
     # One INFO line per request (httpx), "Found credentials in environment variables." (botocore),
-    # every Azure request's headers (azure.core): SDK chatter, not ours, unless debugging (issue 14).
+    # every Azure request's headers (azure.core): SDK chatter, not ours, unless debugging.
     sdk_level = logging.DEBUG if logging.getLevelName(level) == logging.DEBUG else logging.WARNING
     for name in _SDK_LOGGERS:
         logging.getLogger(name).setLevel(sdk_level if name != "httpx" else logging.WARNING)

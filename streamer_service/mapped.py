@@ -1,9 +1,9 @@
-"""Local checkpoint files read through mappings, by native copying threads (issue 16).
+"""Local checkpoint files read through mappings, by native copying threads.
 
 Run:ai's reader reads a local file with ``pread`` into our buffers. For files already in memory
 (tmpfs, the page cache) the cost is the kernel's copy, and on an H200 host it stops near 36 GB/s,
 below InstantTensor, which maps its files and ``memcpy`` s them on 16 threads
-(docs/benchmarks.md, "Issue 16"). :class:`MappedReader` is the same idea behind the interface of
+(docs/benchmarks.md). :class:`MappedReader` is the same idea behind the interface of
 :class:`~streamer_service.runai.NativeReader`, so the pipeline, the ring and the version checks
 are unchanged:
 
@@ -64,7 +64,7 @@ IDLE_S = 30.0  # a file mapping no load used for this long is dropped
 COPY_THREADS = min(12, len(os.sched_getaffinity(0)))
 """Copying threads of the process's pool. On a 16-CPU H200 host, 6.44 GB from tmpfs to cuda:0,
 reloads: 8 threads 38.5 GB/s, 10-14 threads 42.8-43.7, 16 threads 42.3 (InstantTensor, 16 threads:
-39.0); the loading thread and the DMA's completions need CPUs too (docs/benchmarks.md, issue 16)."""
+39.0); the loading thread and the DMA's completions need CPUs too (docs/benchmarks.md)."""
 CHUNK_BYTES = 2 * 1024 * 1024  # 1 MiB: the same within noise; 4 MiB: slower
 _POLL_MS = 500  # waits return to the interpreter this often, so Ctrl-C is handled
 

@@ -51,7 +51,7 @@ WEIGHT_SUFFIXES = (
 )  # fmt: skip
 
 
-# What loaders read besides weights (issue 14: "every file that is not a weight" pulled 50 MB
+# What loaders read besides weights (not "every file that is not a weight": that would pull
 # TensorRT engines, .nemo archives, .npy and .pkl files). Matched against the base name. vLLM pulls
 # a model's "*.json", "*.py" and "*.model"; transformers' tokenizers also read vocab and merges
 # text, tiktoken files (Kimi, Qwen) and chat templates. STREAMER_METADATA_PATTERNS adds more.

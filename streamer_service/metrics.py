@@ -172,7 +172,7 @@ class Metrics:
         if summary.bytes_read and read_seconds > 0:
             self.last_rate.labels(scheme=scheme).set(summary.bytes_read / read_seconds)
         for rank, info in summary.ranks.items():
-            if info.status != "failed":  # handed out, but the rank could not use it (issue 13.6)
+            if info.status != "failed":  # handed out, but the rank could not use it
                 self.delivered_bytes.labels(rank=str(rank)).inc(info.bytes_delivered)
         self.sessions.labels(outcome=summary.state).inc()
         if error is not None:

@@ -110,7 +110,7 @@ class Pipeline:
             if load.failed is not None:
                 if self._verify is not None and type(load.failed.error) is StorageError:
                     # Run:ai says only "file access error" for a refused, missing or changed object:
-                    # one HEAD per file through the SDK says which, naming the credentials (issue 14).
+                    # one HEAD per file through the SDK says which, naming the credentials.
                     self._verify(load.batch)
                 raise self._failure(load)
             if self._verify is not None and load.batch.ranges:

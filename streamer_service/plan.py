@@ -4,10 +4,10 @@ Two steps, both pure (no I/O, no torch), so a selection fails before any data
 is read and the daemon can plan the union of several ranks' selections:
 
 1. :func:`select` turns names / name prefixes (and priority prefixes) into the
-   tensors to deliver, in delivery order (DESIGN.md 3.4): priority groups first,
+   tensors to deliver, in delivery order (docs/architecture.md): priority groups first,
    then the rest in checkpoint order.
 2. :func:`build_plan` turns any list of tensors, in delivery order, into
-   :class:`Batch` es (DESIGN.md 3.2):
+   :class:`Batch` es (docs/architecture.md):
 
    - adjacent tensors -- same file, byte-contiguous there, consecutive in
      delivery order -- are coalesced into one :class:`FileRange`;
@@ -100,7 +100,7 @@ def union_order(
 
     The union of their selections, ordered by :func:`delivery_order` with their priority entries
     concatenated in rank order. Each rank gets its tensors in this order, so a rank whose priority
-    entries are the group's gets exactly the order ``select`` gives it in-process (issue 13.2).
+    entries are the group's gets exactly the order ``select`` gives it in-process.
     """
     union = {t.name for chosen, _ in ranks for t in chosen}
     priority = list(dict.fromkeys(p for _, entries in ranks for p in (entries or ())))

@@ -5,7 +5,7 @@ bytes fit streams each batch into a segment of its own instead of a recycled rin
 registers the batch's tensors here once loaded. The segments outlive the session, so:
 
 - a rank that restarts, or a whole new launch of the same checkpoint, is served from node memory
-  with no storage read (DESIGN.md 1: "every byte once per node");
+  with no storage read (docs/architecture.md: "every byte once per node");
 - a rank that rejoins while its session is still streaming gets every batch already loaded.
 
 A resident copy belongs to one *generation* of a checkpoint: the metadata pull its catalog was

@@ -1,4 +1,4 @@
-"""The ring: reusable slots for a load's batches, plus at most one oversized buffer (DESIGN.md 3.3).
+"""The ring: reusable slots for a load's batches, plus at most one oversized buffer (docs/architecture.md).
 
 One rule for both modes. The embedded engine fills private anonymous memory; the daemon fills
 shared-memory segments. Either way a load holds at most ``capacity`` slots (made on first use,

@@ -75,7 +75,7 @@ def check_startup(settings: Settings) -> None:
     """Refuse, before anything is bound or served, what would make the daemon fail at start-up.
 
     Without this a bad ``--allow`` or ``--shm-dir`` failed inside uvicorn's lifespan: a traceback
-    after "serving on unix socket" was logged, and exit 3 (issue 14).
+    after "serving on unix socket" was logged, and exit 3.
     """
     if settings.tcp_port is not None and not (settings.token and settings.token.get_secret_value()):
         raise ConfigError("--tcp-port needs a bearer token in STREAMER_TOKEN")
@@ -135,7 +135,7 @@ def serve(settings: Settings, *, socket_mode: int = 0o600) -> int:
             http=PeerCredentialsProtocol,  # ranks' PIDs, so a dead rank is reclaimed at once
         )
         # uvicorn shuts down gracefully on SIGTERM and then raises the signal again, which would end
-        # the process with 143 before this finally removes the socket (issue 14.5). It raises it to
+        # the process with 143 before this finally removes the socket. It raises it to
         # the handler it found: ours ends the process with 0 once everything is cleaned up.
         previous = signal.signal(signal.SIGTERM, _stopped)
         try:

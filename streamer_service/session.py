@@ -132,7 +132,7 @@ class Session:
     ) -> RankState:
         """Add ``rank`` with its selected tensors (``plan.select``); block until every rank has
         joined (or the join timeout passes). ``process`` watches the rank's process, so that a
-        rank whose process is gone is reclaimed at once (issue 14.8)."""
+        rank whose process is gone is reclaimed at once."""
         with self._cond:
             if world_size != self.world_size:
                 raise SessionError(
@@ -382,8 +382,8 @@ class Session:
         return True
 
     def _stop_if_abandoned(self) -> None:
-        # Issue 13.1: a load no rank reads any more stops reading (before, only a session whose
-        # ranks were all reclaimed did, and one whose ranks left read the rest for nobody).
+        # A load no rank reads any more stops reading: no storage read for nobody, also when the
+        # ranks left rather than being reclaimed.
         if self.state is SessionState.STREAMING and not self._ledger.any_active():
             self._cancelled = True
 

@@ -6,12 +6,12 @@ shared by the daemon and the inference containers). Run:ai writes ranges
 straight into the daemon's mapping; ranks map the same file read-only.
 
 We do not use ``multiprocessing.shared_memory``: its resource tracker unlinks
-or warns from the wrong process (DESIGN.md 6). Segments are unlinked when their
+or warns from the wrong process (docs/architecture.md). Segments are unlinked when their
 session ends, and a daemon sweeps segments of dead daemons when it starts.
 
 Whether the daemons that made segments are alive is decided by a lock, not by
 the PID in a segment's name: a PID says nothing in a container, where every
-daemon is PID 1 of its own namespace (issue 13.3). Each daemon holds a shared
+daemon is PID 1 of its own namespace. Each daemon holds a shared
 ``flock`` on the shm dir itself for its whole life; the kernel drops it when
 the process dies, however it dies. A starting daemon that gets the exclusive
 lock knows no other daemon uses the dir, so every segment there is stale. (Only
@@ -195,7 +195,7 @@ class Segment:
                 raise
             os.fchmod(fd, mode)  # exactly this mode, whatever the umask
             # MAP_POPULATE: the page tables of the (already allocated) pages in one call, instead of
-            # a fault per 4 KiB page taken by Run:ai's reader threads as they write (issue 16).
+            # a fault per 4 KiB page taken by Run:ai's reader threads as they write.
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             self._mmap = mmap.mmap(fd, nbytes, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
@@ -317,7 +317,7 @@ class SegmentPool:
     A ring segment a session no longer needs stays mapped and idle for ``idle_s`` seconds, and
     the next session that needs one of its size takes it as it is: its pages are already
     allocated, so the load skips the zero-fill (about 60 ms per 256 MiB) and the first-touch
-    faults (DESIGN.md 3: "slots recycle"). Idle segments count against the budget; a request
+    faults (docs/architecture.md: "slots recycle"). Idle segments count against the budget; a request
     that does not fit evicts them first. ``idle_s = 0`` keeps nothing.
 
     Prepared segments (:meth:`start_preparing`, when the daemon starts): ring segments made ahead
@@ -401,7 +401,7 @@ class SegmentPool:
                 for i, (segment, reservation, _) in enumerate(self._idle):
                     # An oversized batch takes an idle segment of its exact size too: a reload of the same
                     # checkpoint skips the zero-fill and first touch of its largest tensors (0.4 s/GiB
-                    # on 4 KiB pages on an H200 host, issue 16).
+                    # on 4 KiB pages on an H200 host).
                     if segment.nbytes == nbytes:
                         del self._idle[i]
                         self.reused += 1

@@ -55,7 +55,7 @@ def pull_metadata(
     if client is not None:
         with contextlib.closing(client):
             # The rank's TRTLLM_OBJECT_STORAGE_FORCE_PULL, as stream() sends it: the daemon's
-            # environment is not the rank's (issue 14: a forced stream() with a stale config).
+            # environment is not the rank's: a forced stream() must not be served a stale config.
             force = Settings().if_given("force_pull") if force is None else force
             body = {"uri": os.fspath(uri), "force": force, "launch_id": launch_id or _launch_id()}
             return Path(client.call("/v1/metadata", body, read_timeout=None)["path"])

@@ -1,11 +1,10 @@
-"""Host -> GPU copies out of host buffers that are page-locked once (DESIGN.md 3.5).
+"""Host -> GPU copies out of host buffers that are page-locked once (docs/architecture.md).
 
 Both data paths end here: the embedded engine's ring slots (private anonymous
 ``mmap`` s) and, in daemon mode, the shared-memory segment files a rank maps.
 Either way a host buffer is named by its base address and size, is pinned once
 (``cudaHostRegister`` through ``torch.cuda.cudart()``) and is reused for many
-copies; pageable copies would cost about 7x the time (55 vs 8 GB/s on an H200,
-DESIGN.md 6).
+copies; pageable copies would cost about 7x the time (55 vs 8 GB/s on an H200).
 
 Usage, for one target device::
 

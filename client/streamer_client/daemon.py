@@ -153,7 +153,7 @@ class _Receiver:
             raise
         except BaseException as exc:
             # Failed here (a segment it could not map, a copy that failed): the daemon counts this
-            # rank as failed, not as delivered (issue 13.6).
+            # rank as failed, not as delivered.
             with contextlib.suppress(StreamerError):
                 self._client.call(self._leave, {"error": f"{type(exc).__name__}: {exc}"[:4096]})
             raise

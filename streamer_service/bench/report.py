@@ -12,7 +12,7 @@ from .runner import RunResult
 
 __all__ = ["Progress", "RatioRow", "SummaryRow", "summarize", "ratios", "format_tables"]
 
-# Targets from issue 9, shown beside the ratios they apply to.
+# The targets shown beside the ratios they apply to (docs/benchmarks.md).
 TIME_TARGETS = {("replicated", 4): 0.30, ("disjoint", None): 1.05}
 
 

@@ -100,7 +100,7 @@ class _S3Source(Source):
                 "AWS_SECRET_ACCESS_KEY": _SECRET_KEY,
                 "AWS_DEFAULT_REGION": "us-east-1",
                 "AWS_EC2_METADATA_DISABLED": "true",
-                # Run:ai against a loopback endpoint (DESIGN.md 6).
+                # Run:ai against a loopback endpoint (docs/architecture.md).
                 "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0",
                 "RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS": "120000",
                 "STREAMER_S3_ADDRESSING_STYLE": "path",

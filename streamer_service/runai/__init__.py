@@ -1,4 +1,4 @@
-"""Run:ai Model Streamer, wrapped in one package (DESIGN.md 3.1): nothing else imports Run:ai.
+"""Run:ai Model Streamer, wrapped in one package (docs/architecture.md): nothing else imports Run:ai.
 
 - :mod:`.contract`: the pinned version and the native entry points, checked before first use;
 - :mod:`.reader`: :class:`NativeReader`, ranged reads straight into our buffers;

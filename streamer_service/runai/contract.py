@@ -1,5 +1,5 @@
 """The Run:ai version and native entry points this package was written against, and the checks
-that refuse anything else (DESIGN.md 3.1).
+that refuse anything else (docs/architecture.md).
 
 The native entry points (``runai_model_streamer.libstreamer.libstreamer``) are not public API, so
 the distributions are pinned to exactly :data:`PINNED_VERSION` (pyproject),

@@ -1,5 +1,5 @@
 """Run:ai's settings that only the process environment can carry: the one boundary where we
-write ``os.environ`` (STYLE.md), and what Run:ai will read from it.
+write ``os.environ``, and what Run:ai will read from it.
 
 Run:ai's native S3 client reads its retry, timeout and parallelism settings from the environment
 when it is created; :class:`ProcessEnvironment` sets ours there while a reader is open and
@@ -99,7 +99,7 @@ class ProcessEnvironment:
     """Run:ai's variables in ``os.environ`` while at least one reader is open, then restored.
 
     The native S3 client reads its settings from the environment when it is created, so this is
-    the one boundary where we write ``os.environ`` (STYLE.md). A variable the operator set wins and
+    the one boundary where we write ``os.environ``. A variable the operator set wins and
     is left alone. Readers of one process (the daemon's sessions) share one refcount.
     """
 

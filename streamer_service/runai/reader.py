@@ -3,13 +3,13 @@
 Run:ai's public Python surface (``SafetensorsStreamer``, ``FileStreamer``)
 reads into buffers it owns, so every byte would be copied once more into ours.
 Its native layer takes, per byte range, an absolute destination address, which
-is what lets storage write straight into our buffers (DESIGN.md 3.1). Those
+is what lets storage write straight into our buffers (docs/architecture.md). Those
 entry points are not public API: ``contract`` pins and checks them, and this
 module is the only one that calls them. Nothing is loaded at import: importing
 Run:ai's ``libstreamer`` package opens the shared library, so that import
 happens in :meth:`NativeReader.start`.
 
-Buffer lifetime (DESIGN.md 6, and ``runai_request``'s docstring): a
+Buffer lifetime (docs/architecture.md, and ``runai_request``'s docstring): a
 destination is a raw address and keeps nothing alive, and an object-storage
 read already sent cannot be cancelled -- ``runai_end`` is what waits for it.
 So :class:`NativeReader` holds a reference to every submission's destination
@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 # Run:ai 0.17.0 defaults to "io_uring_direct,libaio_direct,sync_buffered": O_DIRECT, which bypasses
 # the page cache. Checkpoints are usually read from a cache that was just filled (a download, a
 # previous load, a local NVMe copy), so buffered reads win: 6.24 vs 1.1 GB/s on the H200 machine
-# (DESIGN.md 6), 12 vs 3 GB/s here with a warm 1 GB file.
+# (docs/architecture.md), 12 vs 3 GB/s here with a warm 1 GB file.
 #
 # Not io_uring_buffered, although it faulted fresh buffers in ~4x faster here: after a load through
 # it, a large write of the same process to a pipe was cut short (8 of 30 runs printed a truncated

@@ -26,7 +26,7 @@ class LocalStorage(Storage):
     With ``--allow`` prefixes (``settings.allow``), every path is resolved before it is used and
     one that leaves them (a symlinked file or directory pointing elsewhere) is refused, naming the
     entry: the prefix check on the URI alone let a symlink in an allowed dir make the daemon copy
-    any file it can read into the shared cache (issue 14). Opened files are checked by the path
+    any file it can read into the shared cache. Opened files are checked by the path
     the kernel opened, so a link swapped after the check is caught too.
     """
 
