@@ -1,6 +1,6 @@
 """Where the time of a shared-memory -> GPU load goes: mapping, registration, staging, overlap.
 
-    python benchmarks/h2d_probe.py [--size-gb 4] [--dir /dev/shm] [--label shm-4k]
+    python scripts/probes/h2d_probe.py [--size-gb 4] [--dir /dev/shm] [--label shm-4k]
 
 Every row moves one random file in ``--dir`` (GB = 1e9 bytes) and prints seconds and GB/s:
 
@@ -158,7 +158,8 @@ def main() -> None:
             part = n // threads
             t = time.perf_counter()
             with ThreadPoolExecutor(threads) as pool:
-                list(pool.map(lambda i: register(a.ctypes.data + i * part, part), range(threads)))
+                base = a.ctypes.data
+                list(pool.map(lambda i, base=base, part=part: register(base + i * part, part), range(threads)))
             add(f"register x{threads} threads (fresh mapping)", time.perf_counter() - t)
             for i in range(threads):
                 unregister(a.ctypes.data + i * part)

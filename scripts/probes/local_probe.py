@@ -1,6 +1,6 @@
 """Where an embedded load from a local directory on tmpfs loses against InstantTensor (issue 16).
 
-    python benchmarks/local_probe.py --dir DIR [--reps 3]
+    python scripts/probes/local_probe.py --dir DIR [--reps 3]
 
 ``DIR``: a safetensors checkpoint (``gpu_bench.py --issue`` writes one) on tmpfs or in the page
 cache. Every row moves every tensor of it to cuda:0 (or reads it into host memory) and prints
@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 for path in (REPO / "client", REPO):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
