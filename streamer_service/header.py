@@ -364,12 +364,10 @@ def _nbytes(dtype: str, shape: list[int]) -> int:
         numel *= dim  # dim < 2**64 (see _parse_int), so this stays a small Python int
         if numel > _U64_MAX:
             raise ValueError("overflows a 64-bit element count")
-    bits = numel * DTYPES[dtype].bits
-    if bits > _U64_MAX:
+    spec = DTYPES[dtype]
+    if numel * spec.bits > _U64_MAX:
         raise ValueError("overflows a 64-bit bit count")
-    if bits % 8:
-        raise ValueError("is not a whole number of bytes (sub-byte dtypes must end on a byte boundary)")
-    return bits // 8
+    return spec.nbytes(numel)
 
 
 def _check_layout(entries: list[_Entry], data_len: int, where: str, file: str) -> list[_Entry]:

@@ -24,8 +24,12 @@ class DType:
     torch_name: str | None
 
     def nbytes(self, numel: int) -> int:
-        total_bits = numel * self.bits
-        return (total_bits + 7) // 8
+        """Bytes of ``numel`` elements; ``ValueError`` unless they end on a byte boundary (the
+        sub-byte dtypes pack several elements per byte, and a tensor owns whole bytes)."""
+        bits = numel * self.bits
+        if bits % 8:
+            raise ValueError("is not a whole number of bytes (sub-byte dtypes must end on a byte boundary)")
+        return bits // 8
 
 
 _TABLE = [
