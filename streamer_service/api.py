@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from streamer_client import errors
@@ -85,8 +86,9 @@ class PeerCredentialsProtocol(AutoHTTPProtocol):
 
 class _BodyLimit:
     """ASGI middleware: a body larger than ``limit`` (by its Content-Length) is refused with 413
-    before it is read; a body without a Content-Length (chunked) is refused with 411. pydantic's
-    limits on list and string lengths apply only after the whole body was read and parsed."""
+    before it is read; a body without a Content-Length (chunked) is refused with 411; a body that
+    is not sent as JSON (``Content-Type: application/json``) with 415. pydantic's limits on list
+    and string lengths apply only after the whole body was read and parsed."""
 
     def __init__(self, app, limit: int) -> None:
         self.app = app
@@ -102,10 +104,18 @@ class _BodyLimit:
                     problem = (411, "a request body needs a Content-Length")
             elif not length.isdigit() or int(length) > self.limit:
                 problem = (413, f"request body of {length.decode('latin-1')!s} bytes is over the limit of {self.limit} bytes")
+            elif int(length) and not _is_json(headers.get(b"content-type", b"")):
+                sent = headers.get(b"content-type", b"").decode("latin-1") or "no Content-Type"
+                problem = (415, f"a request body must be JSON sent as Content-Type: application/json, got {sent!r}")
             if problem is not None:
                 await JSONResponse(error_body("ConfigError", problem[1]), status_code=problem[0])(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def _is_json(content_type: bytes) -> bool:
+    kind = content_type.split(b";", 1)[0].strip().lower()
+    return kind == b"application/json" or (kind.startswith(b"application/") and kind.endswith(b"+json"))
 
 
 class _Model(BaseModel):
@@ -173,6 +183,20 @@ def create_app(settings: Settings) -> FastAPI:
         status = next((code for cls, code in _STATUS if isinstance(exc, cls)), 500)
         request.app.state.daemon.metrics.errors.labels(type=type(exc).__name__).inc()
         return JSONResponse(error_body(type(exc).__name__, exc.message, uri=exc.uri, key=exc.key), status_code=status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # FastAPI's own refusals (no such path, method not allowed, a body it cannot parse) in our body.
+        request.app.state.daemon.metrics.errors.labels(type="ConfigError").inc()
+        where = f"{request.method} {request.url.path}"
+        if exc.status_code == 404:
+            message = f"{where}: no such path (the API: docs/daemon.md, \"HTTP API\", or GET /openapi.json)"
+        elif exc.status_code == 405:
+            allowed = next((v for k, v in (exc.headers or {}).items() if k.lower() == "allow"), "?")
+            message = f"{where}: method not allowed (allowed: {allowed})"
+        else:
+            message = f"{where}: {exc.detail}"
+        return JSONResponse(error_body("ConfigError", message), status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def bad_request(request: Request, exc: RequestValidationError) -> JSONResponse:

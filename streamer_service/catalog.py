@@ -5,7 +5,8 @@ Which files make up the checkpoint:
 - ``model.safetensors.index.json`` at the top of the prefix wins: its
   ``weight_map`` (tensor -> shard, relative to the index) names the shards, and
   every other ``*.safetensors`` beside it is ignored (e.g. a ``consolidated``
-  copy that Mistral repos ship next to the HF shards).
+  copy that Mistral repos ship next to the HF shards). A tensor present in two
+  of its shards is taken from the one the index names (logged once).
 - Without an index, every ``*.safetensors`` at the top of the prefix (not in
   subdirectories), provided they form one shard set. Two sets side by side
   (``model.safetensors`` and ``model-00001-of-00002.safetensors``) are refused:
@@ -20,13 +21,15 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import logging
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
-from streamer_client.errors import CheckpointError, ObjectNotFoundError
+from streamer_client.errors import CheckpointError, HeaderError, ObjectNotFoundError
 
 from .header import FileHeader, TensorInfo, read_header
 from .storage.base import ObjectInfo, Storage
@@ -35,10 +38,10 @@ __all__ = [
     "INDEX_NAME",
     "Catalog",
     "build_catalog",
-    "format_jsonl",
-    "format_table",
     "shard_group",
 ]
+
+log = logging.getLogger(__name__)
 
 INDEX_NAME = "model.safetensors.index.json"
 SAFETENSORS_SUFFIX = ".safetensors"
@@ -228,7 +231,7 @@ def _catalog_from_index(
             key=missing[0],
         )
     files = [listing[name] for name in shard_names]
-    headers = _read_headers(storage, files, max_workers)
+    headers = _follow_index(_read_headers(storage, files, max_workers), weight_map, storage)
     _check_unique(headers, storage)
     _check_against_index(headers, weight_map, storage)
     return Catalog([t for h in headers for t in h.tensors], files, index)
@@ -264,6 +267,32 @@ def _read_weight_map(storage: Storage, index: ObjectInfo) -> dict[str, str]:
     if not weight_map:
         raise CheckpointError(f"{where} has an empty weight_map", key=INDEX_NAME)
     return weight_map
+
+
+def _follow_index(headers: Sequence[FileHeader], weight_map: Mapping[str, str], storage: Storage) -> list[FileHeader]:
+    """A tensor in more than one shard is taken from the shard the index names, as transformers
+    does; its other copies are left out, and the catalog says so once in the log. A tensor the
+    index names in none of them is left to :func:`_check_against_index`."""
+    where: dict[str, list[str]] = {}
+    for header in headers:
+        for tensor in header.tensors:
+            where.setdefault(tensor.name, []).append(header.file)
+    dropped = {
+        name: [f for f in shards if f != weight_map[name]]
+        for name, shards in where.items()
+        if len(shards) > 1 and weight_map.get(name) in shards
+    }
+    if not dropped:
+        return list(headers)
+    first = next(iter(dropped))
+    log.warning(
+        "%s: %d tensor(s) are in more than one shard; following %s, which names the shard to load each from "
+        "(e.g. %r from %r, not %r)",
+        storage.uri, len(dropped), INDEX_NAME, first, weight_map[first], dropped[first][0],
+    )  # fmt: skip
+    return [
+        replace(h, tensors=tuple(t for t in h.tensors if h.file not in dropped.get(t.name, ()))) for h in headers
+    ]
 
 
 def _check_against_index(
@@ -381,56 +410,8 @@ def _check_unique(headers: Sequence[FileHeader], storage: Storage) -> None:
         for tensor in header.tensors:
             first = seen.setdefault(tensor.name, header.file)
             if first != header.file:
-                raise CheckpointError(
+                raise HeaderError(
                     f"{storage.uri}: tensor {tensor.name!r} is in both {first!r} and {header.file!r}",
                     uri=storage.uri.normalized,
                     key=tensor.name,
                 )
-
-
-# ---------------------------------------------------------------------- output
-
-
-_COLUMNS = ("name", "dtype", "shape", "file", "offset", "nbytes")
-_RIGHT_ALIGNED = frozenset({"offset", "nbytes"})
-
-
-def _printable(text: str) -> str:
-    # Names come from untrusted headers: a newline or escape sequence must not
-    # forge rows or drive the terminal.
-    return text if text.isprintable() else repr(text)
-
-
-def _row(tensor: TensorInfo) -> dict[str, str]:
-    return {
-        "name": _printable(tensor.name),
-        "dtype": tensor.dtype,
-        "shape": "[" + ", ".join(str(d) for d in tensor.shape) + "]",
-        "file": _printable(tensor.file),
-        "offset": str(tensor.offset),
-        "nbytes": str(tensor.nbytes),
-    }
-
-
-def format_table(catalog: Catalog) -> str:
-    """A human-readable table of every tensor, in checkpoint order, with a summary line."""
-    rows = [dict(zip(_COLUMNS, (c.upper() for c in _COLUMNS)))] + [_row(t) for t in catalog]
-    widths = {c: max(len(r[c]) for r in rows) for c in _COLUMNS}
-
-    def line(row: Mapping[str, str]) -> str:
-        cells = (
-            row[c].rjust(widths[c]) if c in _RIGHT_ALIGNED else row[c].ljust(widths[c])
-            for c in _COLUMNS
-        )
-        return "  ".join(cells).rstrip()
-
-    summary = (
-        f"{len(catalog)} tensors, {catalog.total_bytes} bytes in {len(catalog.files)} files"
-        f" ({'index' if catalog.index_used else 'no index'})"
-    )
-    return "\n".join([line(r) for r in rows] + [summary])
-
-
-def format_jsonl(catalog: Catalog) -> str:
-    """One JSON object per tensor per line (name, dtype, shape, file, offset, nbytes)."""
-    return "".join(json.dumps(t.to_json()) + "\n" for t in catalog)

@@ -16,10 +16,11 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from streamer_client.errors import CheckpointError, ObjectNotFoundError
+from streamer_client.errors import CheckpointError, HeaderError, ObjectNotFoundError
 
-from .catalog import Catalog, build_catalog
-from .metadata import Marker, MetadataCache
+from .access import file_mode
+from .catalog import INDEX_NAME, Catalog, build_catalog
+from .metadata import Marker, MetadataCache, write_private
 from .settings import Settings
 from .storage import open_storage
 from .uri import StorageURI, parse_uri
@@ -62,9 +63,20 @@ def open_checkpoint(
             metadata_dir, marker = cache.pull_marker(uri, force=force, launch_id=launch_id, stale=marker)
             catalog, fingerprint = _catalog(uri, settings, marker, cache_file)
     except (CheckpointError, ObjectNotFoundError) as exc:
+        if not _could_be_mid_upload(uri, exc):
+            raise
         raise type(exc)(f"{exc.message} ({_LISTED_AGAIN})", uri=exc.uri, key=exc.key) from None
     generation = f"{fingerprint}:{marker.launch_id}:{marker.pulled_at}"
     return Checkpoint(uri=uri, metadata_dir=metadata_dir, catalog=catalog, generation=generation)
+
+
+def _could_be_mid_upload(uri: StorageURI, exc: CheckpointError | ObjectNotFoundError) -> bool:
+    """Whether an upload still in progress could explain ``exc``. Objects of object storage
+    appear one at a time and each whole: a listing can lack some of them (a shard the index
+    names, part of a shard set) but never hold part of one. So not what one object's bytes say
+    (a safetensors header, the index's JSON), nor anything of a local dir, which is read as it
+    is."""
+    return not uri.is_local and not isinstance(exc, HeaderError) and exc.key != INDEX_NAME
 
 
 def _catalog(uri: StorageURI, settings: Settings, marker: Marker, cache_file: Path) -> tuple[Catalog, str]:
@@ -75,7 +87,7 @@ def _catalog(uri: StorageURI, settings: Settings, marker: Marker, cache_file: Pa
     if catalog is None:
         with open_storage(uri, settings) as storage:
             catalog = build_catalog(storage, objects)
-        _store(cache_file, fingerprint, catalog)
+        _store(cache_file, fingerprint, catalog, file_mode(settings))
         log.info("catalog of %s: %d tensors, %d bytes in %d files", uri, len(catalog), catalog.total_bytes, len(catalog.files))
     return catalog, fingerprint
 
@@ -90,10 +102,10 @@ def _load_cached(path: Path, fingerprint: str) -> Catalog | None:
         return None  # absent, torn or from another version: rebuild
 
 
-def _store(path: Path, fingerprint: str, catalog: Catalog) -> None:
+def _store(path: Path, fingerprint: str, catalog: Catalog, mode: int) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}")
     try:
-        tmp.write_text(json.dumps({"fingerprint": fingerprint, "catalog": catalog.to_json()}), encoding="utf-8")
+        write_private(tmp, json.dumps({"fingerprint": fingerprint, "catalog": catalog.to_json()}).encode(), mode)
         os.replace(tmp, path)
     except OSError as exc:
         # The cache is an optimization: a full or read-only disk costs header reads next time, nothing else.

@@ -50,7 +50,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .catalog import format_jsonl, format_table
+    from .tensor_table import format_jsonl, format_table
     from .checkpoint import open_checkpoint
 
     checkpoint = open_checkpoint(args.uri, _settings(args))
@@ -67,7 +67,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except SettingsError as exc:
         return _startup_error(args, str(exc), exc)
     try:
-        return serve(settings, socket_mode=0o660 if settings.group_access else 0o600)
+        return serve(settings)
     except (ConfigError, InvalidURIError) as exc:
         # Refused before anything was bound or served (server.check_startup, bind_unix_socket).
         return _startup_error(args, str(exc), exc)
@@ -92,7 +92,7 @@ def cmd_health(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"status": "unavailable", "socket": str(path), "error": message, **fields}))
         json_lines = (args.log_format or settings.log_format) == "json"
-        return _error(f"streamer-service health: {message}", EXIT_ERROR, json_lines=json_lines, command="health")
+        return _error(f"streamer-service health: error: {message}", EXIT_ERROR, json_lines=json_lines, command="health")
 
     try:
         with httpx.Client(transport=httpx.HTTPTransport(uds=str(path)), base_url="http://daemon", timeout=5) as client:
@@ -163,7 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--retention-budget", help="shared memory kept for reloads after a load, e.g. 64GiB (STREAMER_RETENTION_BUDGET; default 0: off)"
     )
-    serve.add_argument("--allow", action="append", default=[], metavar="PREFIX", help="URI prefix the daemon may read (repeatable)")
+    serve.add_argument("--allow", action="append", default=[], metavar="PREFIX", help="URI prefix the daemon may read (repeatable; STREAMER_ALLOW, commas or spaces between prefixes); "
+                       "required with --group-access or --tcp-port")
     serve.add_argument("--group-access", action="store_true", help="socket 0660 and segments 0640 (STREAMER_GROUP_ACCESS)")
     serve.add_argument("--tcp-port", type=int, help="also listen on 127.0.0.1:PORT; needs STREAMER_TOKEN (STREAMER_TCP_PORT)")
     serve.add_argument("--metrics-port", type=int, metavar="PORT",

@@ -13,8 +13,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from streamer_client.errors import SessionError, StorageAccessDeniedError, StreamerError
+from streamer_client.errors import SessionError, StreamerError
 
+from .access import AllowList, file_mode
 from .checkpoint import open_checkpoint
 from .mapped import reader_for
 from .metadata import MetadataCache
@@ -26,10 +27,10 @@ from .runai import check_credentials, storage_environment
 from .ledger import UNFINISHED, RankStatus
 from .session import Session, SessionState
 from .session_buffers import MAX_RING_SLOTS
-from .settings import Settings
+from .settings import Settings, daemon_slot_size
 from .shm import SegmentPool, SegmentStore, ShmBudget, small_pages_advice
 from .stats import DaemonStats, SessionSummary
-from .uri import StorageURI, parse_uri
+from .uri import StorageURI
 from .versions import ObjectVersions
 
 __all__ = ["Daemon"]
@@ -82,7 +83,7 @@ class Daemon:
         self.settings = settings
         self.budget = ShmBudget(int(settings.shm_budget))
         # At least four slots fit the budget, so loading, delivery and release overlap.
-        self.slot_size = min(int(settings.slot_size), max(int(settings.shm_budget) // 4, 1))
+        self.slot_size = daemon_slot_size(settings)
         self.sessions: dict[str, Session] = {}  # by key, while joining or streaming
         # Ranks of recently ended sessions that did not receive everything, by key: their rejoin is
         # served on its own instead of waiting for a whole new group.
@@ -99,20 +100,20 @@ class Daemon:
         self._reaper: threading.Thread | None = None
         self.store: SegmentStore | None = None
         self.pool: SegmentPool | None = None
-        self._allow = [parse_uri(p).normalized for p in settings.allow]
+        self.allow = AllowList(settings.allow)
         self.metrics = Metrics(self.stats, build=build_info(settings.build_revision))
 
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        self.store = SegmentStore(Path(self.settings.shm_dir), 0o640 if self.settings.group_access else 0o600)
+        self.store = SegmentStore(Path(self.settings.shm_dir), file_mode(self.settings))
         self.store.open()  # sweeps what daemons that are gone left behind
         self.pool = SegmentPool(self.store, self.budget, self.settings.segment_idle_s)
         if self.settings.segment_prepare and self.settings.segment_idle_s > 0 and not self.resident.enabled:
             # The first load's ring, made now: a fresh daemon's first load otherwise pays the
             # zero-fill and mapping of every segment on its own thread (docs/deploy.md).
             self.pool.start_preparing(self.slot_size, min(self.budget.limit // self.slot_size, MAX_RING_SLOTS))
-        if not self._allow:
+        if self.allow.any:
             log.warning("no --allow prefixes: this daemon will read any URI its credentials reach")
         self._reaper = threading.Thread(target=self._reap_loop, name="reaper", daemon=True)
         self._reaper.start()
@@ -157,14 +158,7 @@ class Daemon:
     # ------------------------------------------------------------------ requests
 
     def check_allowed(self, uri: str) -> StorageURI:
-        parsed = parse_uri(uri)
-        if self._allow and not any(
-            parsed.normalized == prefix or parsed.normalized.startswith(prefix.rstrip("/") + "/") for prefix in self._allow
-        ):
-            raise StorageAccessDeniedError(
-                f"this daemon may not read {parsed.normalized}: not under any --allow prefix", uri=parsed.normalized
-            )
-        return parsed
+        return self.allow.check(uri)
 
     def pull(self, uri: str, *, force: bool | None, launch_id: str | None) -> Path:
         parsed = self.check_allowed(uri)

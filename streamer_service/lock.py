@@ -44,9 +44,11 @@ class FileLock:
         timeout_s: float,
         log_interval_s: float,
         what: str,
+        mode: int = 0o644,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.path = path
+        self.mode = mode
         self.timeout_s = timeout_s
         self.log_interval_s = log_interval_s
         self.what = what
@@ -54,7 +56,7 @@ class FileLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, self.mode)
         start = next_log = self._clock()
         next_log += self.log_interval_s
         try:

@@ -10,10 +10,16 @@ Layout under the cache root (``STREAMER_CACHE_DIR``)::
 Correctness comes from a per-process temp dir renamed into place, with the
 marker written last; the lock only keeps concurrent pullers from downloading
 twice. A dir without a marker is incomplete and is replaced by the next pull.
+
+Modes: every file is written with the access mode (``access.file_mode``: ``0600``, or ``0640``
+with group access) less any bit its source lacks (a local ``0600`` file stays ``0600``), every
+dir with ``access.dir_mode``; a cache dir of another mode (pulled under other settings) is
+pulled again rather than reused.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fnmatch
 import json
@@ -22,6 +28,7 @@ import os
 import secrets
 import shutil
 import socket
+import stat
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,12 +39,13 @@ from streamer_client.errors import CacheError, CheckpointError, ObjectChangedErr
 from streamer_client.launch import launch_origin, resolve_launch_id
 from streamer_client.progress import bar
 
+from .access import dir_mode, file_mode
 from .lock import FileLock
 from .settings import Settings
 from .storage import ObjectInfo, Storage, open_storage
 from .uri import StorageURI, parse_uri
 
-__all__ = ["LOADER_PATTERNS", "MARKER", "WEIGHT_SUFFIXES", "MetadataCache", "Marker", "is_weight", "safe_relative_path", "wanted"]
+__all__ = ["LOADER_PATTERNS", "MARKER", "WEIGHT_SUFFIXES", "MetadataCache", "Marker", "is_weight", "safe_relative_path", "wanted", "write_private"]
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +160,8 @@ class MetadataCache:
         self.settings = settings
         self.progress = progress  # a bar of the files and bytes of each pull (the CLI's)
         self.root = Path(settings.cache_dir)
+        self.file_mode = file_mode(settings)
+        self.dir_mode = dir_mode(settings)
         self.downloads = 0  # pulls this object performed (0 after a cache hit)
 
     def dir_for(self, uri: StorageURI) -> Path:
@@ -189,7 +199,7 @@ class MetadataCache:
         if (marker := self._usable(final, force, launch, stale)) is not None:
             return final, marker
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.root.mkdir(mode=self.dir_mode, parents=True, exist_ok=True)
         except OSError as exc:
             raise CacheError(f"cannot create cache dir {self.root}: {exc.strerror}", uri=uri.normalized) from None
         lock = FileLock(
@@ -197,6 +207,7 @@ class MetadataCache:
             timeout_s=self.settings.lock_timeout_s,
             log_interval_s=self.settings.lock_log_interval_s,
             what=uri.normalized,
+            mode=self.file_mode,
         )
         with lock:
             # Look again: the process we waited for may have finished the work.
@@ -212,6 +223,13 @@ class MetadataCache:
     def _usable(self, final: Path, force: bool, launch: str, stale: Marker | None = None) -> Marker | None:
         marker = Marker.read(final)
         if marker is None or (force and marker.launch_id != launch) or marker == stale:
+            return None
+        try:
+            mode = stat.S_IMODE(final.stat().st_mode)
+        except OSError:
+            return None
+        if mode != self.dir_mode:
+            log.info("pulling %s again: its cache dir %s has mode %o, this process writes %o", marker.uri, final, mode, self.dir_mode)
             return None
         if force:
             # Forcing is once per launch (DESIGN 4); say so, or a forced pull silently does nothing.
@@ -245,7 +263,7 @@ class MetadataCache:
         token = f"{os.getpid()}-{secrets.token_hex(4)}"
         tmp = self.root / f".tmp-{uri.cache_key}-{token}"
         try:
-            tmp.mkdir()
+            self._mkdir(tmp)
             total = 0
             with bar(total=sum(o.size for o in files), desc="pull", mode=self.progress) as shown:
                 for i, obj in enumerate(files, 1):
@@ -307,11 +325,21 @@ class MetadataCache:
                 key=largest.name,
             )
 
+    def _mkdir(self, path: Path) -> None:
+        """``path`` and its missing parents with the dir mode, whatever the umask."""
+        if not path.is_dir():
+            self._mkdir(path.parent)
+            path.mkdir(mode=self.dir_mode)
+            os.chmod(path, self.dir_mode)
+
     def _download(self, storage: Storage, obj: ObjectInfo, dest: Path, uri: StorageURI) -> int:
+        source = storage.permissions(obj)
+        mode = self.file_mode if source is None else self.file_mode & source
         try:
-            dest.parent.mkdir(parents=True, exist_ok=True)
+            self._mkdir(dest.parent)
             # O_EXCL | O_NOFOLLOW: never write through a link or over another key's file.
-            fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+            fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+            os.fchmod(fd, mode)  # exactly: the umask may have taken the group's bit
             with os.fdopen(fd, "wb") as out:
                 written = storage.download(obj, out)
         except StreamerError:
@@ -339,10 +367,20 @@ class MetadataCache:
     def _write_marker(self, final: Path, marker: Marker, uri: StorageURI) -> None:
         tmp = final / f"{MARKER}.tmp"
         try:
-            tmp.write_text(json.dumps(marker.to_json(), indent=1), encoding="utf-8")
+            write_private(tmp, json.dumps(marker.to_json(), indent=1).encode(), self.file_mode)
             os.rename(tmp, final / MARKER)
         except OSError as exc:
             raise _cache_error(exc, f"cannot write {MARKER} in {final}", uri, MARKER) from None
+
+
+def write_private(path: Path, data: bytes, mode: int) -> None:
+    """A new file of ``mode`` (exactly) holding ``data``; an existing one is replaced."""
+    with contextlib.suppress(FileNotFoundError):
+        path.unlink()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    with os.fdopen(fd, "wb") as out:
+        os.fchmod(out.fileno(), mode)
+        out.write(data)
 
 
 def _refuse_file_dir_clashes(paths: dict[str, PurePosixPath], uri: StorageURI) -> None:

@@ -20,6 +20,7 @@ import uvicorn
 from streamer_client.connection import DaemonClient
 from streamer_client.errors import ConfigError, InvalidURIError
 
+from .access import check_shared_access, socket_mode
 from .api import PeerCredentialsProtocol, create_app
 from .mapped import local_reader_in_force
 from .runai import read_parallelism_in_force
@@ -36,8 +37,18 @@ log = logging.getLogger(__name__)
 def bind_unix_socket(path: Path, mode: int = 0o600) -> socket.socket:
     """Bind ``path`` with ``mode`` from the first instant (umask), replacing a dead daemon's socket.
 
-    We bind ourselves because uvicorn chmods the sockets it creates to 0666.
+    We bind ourselves because uvicorn chmods the sockets it creates to 0666. A dir this user
+    cannot make, enter or write is a :class:`ConfigError` naming the path.
     """
+    try:
+        return _bind_unix_socket(path, mode)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot serve on {path}: {exc.strerror or exc} (--socket / STREAMER_SOCKET: a path in a dir this user can write)"
+        ) from None
+
+
+def _bind_unix_socket(path: Path, mode: int) -> socket.socket:
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists() or path.is_symlink():
         if not stat.S_ISSOCK(path.lstat().st_mode):
@@ -55,10 +66,13 @@ def bind_unix_socket(path: Path, mode: int = 0o600) -> socket.socket:
     old = os.umask(0o777 & ~mode)
     try:
         sock.bind(str(path))
+        os.chmod(path, mode)
+        sock.listen(1024)
+    except BaseException:
+        sock.close()
+        raise
     finally:
         os.umask(old)
-    os.chmod(path, mode)
-    sock.listen(1024)
     return sock
 
 
@@ -86,6 +100,7 @@ def check_startup(settings: Settings) -> None:
             parse_uri(prefix)
         except InvalidURIError as exc:
             raise ConfigError(f"--allow / STREAMER_ALLOW prefix {prefix!r} is not a URI this daemon can read: {exc}") from None
+    check_shared_access(settings)
     shm = Path(settings.shm_dir)
     if not shm.is_dir():
         raise ConfigError(f"--shm-dir / STREAMER_SHM_DIR {shm} is not a directory")
@@ -95,8 +110,9 @@ def check_startup(settings: Settings) -> None:
         log.warning("%s", warning)
 
 
-def serve(settings: Settings, *, socket_mode: int = 0o600) -> int:
+def serve(settings: Settings) -> int:
     path = Path(settings.socket) if settings.socket else DEFAULT_SOCKET
+    mode = socket_mode(settings)
     check_startup(settings)
     app = create_app(settings)
     listener = None
@@ -104,10 +120,10 @@ def serve(settings: Settings, *, socket_mode: int = 0o600) -> int:
         listener = MetricsListener(settings.metrics_host, settings.metrics_port, lambda: _render_metrics(app), path)
     sockets: list[socket.socket] = []
     try:
-        sockets.append(bind_unix_socket(path, socket_mode))
+        sockets.append(bind_unix_socket(path, mode))
         # Secret fields (token, Azure key, SAS, connection string) dump as "**********".
         log.debug("settings: %s", settings.to_json())
-        log.info("serving on unix socket %s (mode %o)", path, socket_mode, extra={"socket": str(path)})
+        log.info("serving on unix socket %s (mode %o)", path, mode, extra={"socket": str(path)})
         if settings.tcp_port is not None:
             sockets.append(bind_loopback(settings.tcp_port))
             log.info("serving on 127.0.0.1:%d (bearer token required)", settings.tcp_port)

@@ -96,8 +96,12 @@ def _has_control(text: str) -> bool:
     return any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in text)
 
 
-def parse_uri(uri: str | os.PathLike) -> StorageURI:
-    """Parse ``uri`` or raise :class:`InvalidURIError` naming it and the reason."""
+def parse_uri(uri: str | os.PathLike, *, resolve: bool = True) -> StorageURI:
+    """Parse ``uri`` or raise :class:`InvalidURIError` naming it and the reason.
+
+    ``resolve=False``: no filesystem call; a local path is made absolute and normalized by its
+    text alone (``..`` removed, links not followed, existence not checked).
+    """
     if isinstance(uri, os.PathLike):
         uri = os.fspath(uri)
     if not isinstance(uri, str):
@@ -110,13 +114,13 @@ def parse_uri(uri: str | os.PathLike) -> StorageURI:
 
     match = _CLOUD_RE.match(text)
     if match is None:
-        return _local(text, uri)
+        return _local(text, uri, resolve)
     scheme_text = match.group("scheme").lower()
     rest = match.group("rest")
     if scheme_text == "file":
         if not rest.startswith("/"):
             raise InvalidURIError(f"file URI {uri!r} must hold an absolute path (file:///dir)", uri=uri)
-        return _local(rest, uri)
+        return _local(rest, uri, resolve)
     try:
         scheme = Scheme(scheme_text)
     except ValueError:
@@ -126,7 +130,7 @@ def parse_uri(uri: str | os.PathLike) -> StorageURI:
             uri=uri,
         ) from None
     if scheme is Scheme.LOCAL:  # pragma: no cover - 'file' handled above
-        return _local(rest, uri)
+        return _local(rest, uri, resolve)
     if "?" in rest or "#" in rest:
         raise InvalidURIError(
             f"checkpoint URI {uri!r} has a query or fragment; give only {bucket_word(scheme)} and prefix", uri=uri
@@ -148,8 +152,10 @@ def parse_uri(uri: str | os.PathLike) -> StorageURI:
     return StorageURI(scheme=scheme, bucket=bucket, prefix="/".join(parts), original=uri)
 
 
-def _local(path_text: str, uri: str) -> StorageURI:
+def _local(path_text: str, uri: str, resolve: bool = True) -> StorageURI:
     path = Path(os.path.expanduser(path_text))
+    if not resolve:
+        return StorageURI(scheme=Scheme.LOCAL, bucket="", prefix=os.path.normpath(os.path.abspath(path)), original=uri)
     try:
         resolved = path.resolve(strict=True)
     except (FileNotFoundError, NotADirectoryError):

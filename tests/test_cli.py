@@ -1,5 +1,8 @@
+import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -248,3 +251,88 @@ def test_cli_stderr_has_no_sdk_info_lines(backend, tmp_path):
     assert result.returncode == 0, result.stderr
     assert "botocore" not in result.stderr and "Found credentials" not in result.stderr
     assert "pulled 1 metadata files" in result.stderr  # our own INFO lines still show
+
+
+def test_every_option_that_sets_a_setting_names_its_variable():
+    from streamer_client.settings import SETTINGS
+
+    rows = {row.name: row for row in SETTINGS}
+    checked = set()
+    for command, action in _walk_arguments():
+        row = rows.get(action.dest)
+        if row is None or not action.option_strings or command not in ("pull", "inspect", "serve", "health"):
+            continue
+        checked.add(f"{command} {action.option_strings[0]}")
+        assert any(env in action.help for env in row.env), f"{command} {action.option_strings[0]}: help names none of {row.env}"
+    assert "serve --allow" in checked and "serve --shm-budget" in checked
+
+
+def test_health_errors_are_error_lines(tmp_path):
+    result = run("health", "--ready", "--socket", str(tmp_path / "none.sock"))
+    assert result.returncode == 1
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"streamer-service health: error: no daemon answers at {tmp_path / 'none.sock'}: ")
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run serve as another user (setpriv)")
+@pytest.mark.parametrize("socket_path", ["run/streamer/daemon.sock", "run/daemon.sock"], ids=["dir-it-cannot-make", "dir-it-cannot-write"])
+def test_serve_on_a_socket_dir_it_cannot_write_is_one_error_line_exit_2(socket_path):
+    """As a user that cannot write there (the default /run/streamer as non-root)."""
+    import shutil
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="streamer-serve-"))
+    try:
+        root.chmod(0o755)
+        (root / "run").mkdir(mode=0o755)  # root's: uid 65534 cannot write into it
+        writable = root / "mine"
+        writable.mkdir()
+        writable.chmod(0o1777)
+        env = {**os.environ, "STREAMER_CACHE_DIR": str(writable / "cache"), "HOME": str(writable)}
+        path = root / socket_path
+        result = subprocess.run(
+            ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", *CLI, "serve",
+             "--socket", str(path), "--shm-dir", str(writable)],
+            capture_output=True, text=True, timeout=180, env=env,
+        )  # fmt: skip
+        assert result.returncode == 2, result.stderr
+        [line] = result.stderr.splitlines()
+        assert line == (
+            f"streamer-service serve: error: cannot serve on {path}: Permission denied "
+            "(--socket / STREAMER_SOCKET: a path in a dir this user can write)"
+        )
+        assert not path.exists()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_budget_under_four_minimum_slots_keeps_slots_of_the_minimum_size(daemon, tmp_path):
+    import torch
+    from checkpoints import make_sharded_checkpoint
+    from daemon_harness import finish
+
+    src = tmp_path / "ckpt"  # 96 tensors of 4 KiB: slots, not tensors of their own, decide the segments' sizes
+    make_sharded_checkpoint(src, {f"t.{i}": torch.full((1024,), float(i)) for i in range(96)}, n_shards=2)
+    d = daemon({}, "--shm-budget", "100KiB")
+    sizes: set[int] = set()
+    stop = threading.Event()
+
+    def sample_sizes() -> None:
+        while not stop.is_set():
+            for p in list(d.shm_dir.iterdir()):
+                try:
+                    sizes.add(p.stat().st_size)
+                except FileNotFoundError:
+                    pass
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample_sizes, daemon=True)
+    sampler.start()
+    try:
+        result = finish(d.start_rank(str(src), 0, 1, src, None))
+    finally:
+        stop.set()
+        sampler.join()
+    assert result["bad"] == [] and result["got"]
+    sizes.discard(0)  # a segment seen between its creation and its fallocate
+    assert sizes and min(sizes) >= 64 * 1024, sorted(sizes)

@@ -221,7 +221,7 @@ def test_uri_outside_allow_is_refused_and_daemon_stays_up(sample, tmp_path, daem
 
 
 def test_group_access_opens_socket_and_segments_to_the_group(sample, daemon):
-    d = daemon({}, "--group-access", "--shm-budget", "8MiB")
+    d = daemon({}, "--group-access", "--shm-budget", "8MiB", "--allow", str(sample))
     names = [t.name for t in _catalog(sample).tensors]
     with ShmSampler(d.shm_dir) as shm:
         assert finish(d.start_rank(str(sample), 0, 1, sample, names))["bad"] == []
@@ -291,7 +291,7 @@ def test_tcp_listener_is_loopback_and_needs_the_token(sample, daemon):
     with socket_mod.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    d = daemon({"STREAMER_TOKEN": "s3cr3t-t0ken"}, "--tcp-port", str(port))
+    d = daemon({"STREAMER_TOKEN": "s3cr3t-t0ken"}, "--tcp-port", str(port), "--allow", str(sample))
     base = f"http://127.0.0.1:{port}"
     assert httpx.get(f"{base}/healthz").status_code == 401
     assert httpx.get(f"{base}/healthz", headers={"Authorization": "Bearer wrong"}).status_code == 401

@@ -94,7 +94,7 @@ def test_no_secret_in_logs_or_responses_and_no_path_outside_cache_or_shm(backend
     uri = backend.uri("ckpt")
     port = _free_port()
     env = {**backend.env, **secrets, "STREAMER_LOG_LEVEL": "DEBUG", "RUNAI_STREAMER_LOG_LEVEL": "DEBUG"}
-    d = DaemonProcess(tmp_path, env, "--tcp-port", str(port)).start()
+    d = DaemonProcess(tmp_path, env, "--tcp-port", str(port), "--allow", uri, "--allow", backend.uri("denied")).start()
     texts: list[str] = []
     bodies: list = []
     try:

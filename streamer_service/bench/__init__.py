@@ -90,7 +90,7 @@ def _config(args: argparse.Namespace, work: Path):
 
 
 def run(args: argparse.Namespace) -> int:
-    from .report import Progress, format_tables, ratios, summarize
+    from .report import Progress, format_tables, missed_targets, ratios, summarize
     from .runner import Bench, loadavg, machine_info
     from .sources import SOURCES
 
@@ -118,7 +118,9 @@ def run(args: argparse.Namespace) -> int:
     rows = summarize(results)
     ratio_rows = ratios(rows)
     tables = format_tables(rows, ratio_rows)
-    ok = all(r.verified for r in results)
+    verified = all(r.verified for r in results)
+    missed = missed_targets(ratio_rows)
+    ok = verified and not missed
     report = {
         "machine": machine_info(),
         "loadavg_before": load_before,
@@ -138,6 +140,8 @@ def run(args: argparse.Namespace) -> int:
         },
         "started": bench.started,
         "ok": ok,
+        "verified": verified,
+        "missed_targets": missed,
         "summary": [dataclasses.asdict(r) for r in rows],
         "ratios": [dataclasses.asdict(r) for r in ratio_rows],
         "runs": [r.as_dict() for r in results],
@@ -157,5 +161,10 @@ def run(args: argparse.Namespace) -> int:
         else:
             Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     print(f"\n{header}\n\n{tables}\n", file=out)
-    print("bench: OK, every run's bytes matched safetensors" if ok else "bench: FAILED (see the table)", file=out)
+    if not verified:
+        print("bench: FAILED: bytes that did not match safetensors (see the table)", file=out)
+    for line in missed:
+        print(f"bench: FAILED: missed its target: {line}", file=out)
+    if ok:
+        print("bench: OK, every run's bytes matched safetensors and every row met its targets", file=out)
     return 0 if ok else 1

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from .ranks import Mode
 from .runner import RunResult
 
-__all__ = ["Progress", "RatioRow", "SummaryRow", "summarize", "ratios", "format_tables"]
+__all__ = ["Progress", "RatioRow", "SummaryRow", "format_tables", "missed_targets", "ratios", "summarize"]
 
 # The targets shown beside the ratios they apply to (docs/benchmarks.md).
 TIME_TARGETS = {("replicated", 4): 0.30, ("disjoint", None): 1.05}
@@ -153,6 +153,24 @@ def ratios(rows: list[SummaryRow]) -> list[RatioRow]:
             bytes_target=1 / ranks if scenario == "replicated" else None,
         ))  # fmt: skip
     return out
+
+
+BYTES_SLACK = 0.005
+"""How far above its target a bytes ratio may be (the table's last printed digit is 0.001):
+headers and listings the daemon reads on top of the tensors."""
+
+
+def missed_targets(ratio_rows: list[RatioRow]) -> list[str]:
+    """Each ratio that misses its row's own target, naming the row, e.g.
+    ``local disjoint N=2: time B÷A 2.24, target ≤ 1.05``; a row without a measurement misses too."""
+    missed = []
+    for r in ratio_rows:
+        row = f"{r.source} {r.scenario} N={r.ranks}"
+        if r.time_target is not None and (r.time_b_over_a is None or r.time_b_over_a > r.time_target):
+            missed.append(f"{row}: time B÷A {_num(r.time_b_over_a, '.2f')}, target ≤ {r.time_target:.2f}")
+        if r.bytes_target is not None and (r.bytes_b_over_a is None or r.bytes_b_over_a > r.bytes_target + BYTES_SLACK):
+            missed.append(f"{row}: bytes B÷A {_num(r.bytes_b_over_a, '.3f')}, target = {r.bytes_target:.3f}")
+    return missed
 
 
 def _gb(value) -> str:

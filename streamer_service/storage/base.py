@@ -71,6 +71,10 @@ class Storage(abc.ABC):
     def stat(self, name: str) -> ObjectInfo:
         """Size and version of one object; ``ObjectNotFoundError`` if missing."""
 
+    def permissions(self, obj: ObjectInfo) -> int | None:
+        """The permission bits of ``obj`` where the storage has them (local files), else None."""
+        return None
+
     def close(self) -> None:
         """Release clients and connections."""
 
