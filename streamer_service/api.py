@@ -16,7 +16,9 @@ which the client raises again):
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import hmac
 import logging
 from collections.abc import AsyncIterator
@@ -35,6 +37,7 @@ from streamer_client.protocol import JoinReply, NextReply, error_body
 from .daemon import Daemon
 from .metrics import CONTENT_TYPE
 from .process import peer_pid
+from .readiness import shm_room
 from .mapped import local_reader_in_force
 from .runai import read_parallelism_in_force
 from .settings import Settings
@@ -151,7 +154,7 @@ class NextRequest(_Model):
 def create_app(settings: Settings) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # Joins and long-polls block a worker thread each: 8 ranks x a few sessions need more than
+        # Long-polls block a worker thread each (joins wait on the loop): 8 ranks x a few sessions need more than
         # anyio's default 40.
         anyio.to_thread.current_default_thread_limiter().total_tokens = 512
         daemon = Daemon(settings)
@@ -207,18 +210,29 @@ def create_app(settings: Settings) -> FastAPI:
     def daemon(request: Request) -> Daemon:
         return request.app.state.daemon
 
+    # Health and readiness on the event loop, never behind requests that wait in worker threads.
     @app.get("/healthz")
-    def healthz() -> dict:
+    async def healthz() -> dict:
         return {"status": "ok"}
 
     @app.get("/readyz")
-    def readyz(request: Request) -> dict:
+    async def readyz(request: Request) -> JSONResponse:
         d = daemon(request)
         pages = d.store.pages
-        return {
-            "status": "ready",
+        held = d.budget.in_use + d.resident.stats().resident_bytes
+        room = shm_room(d.store.shm_dir, pages, budget=d.budget.limit, slot=d.slot_size, held=held)
+        reasons = [r for r in (
+            "the daemon is stopping" if d.stopping else None,
+            d.reaper_stopped or (None if d.reaper_alive() else "the reaper thread is not running"),
+            room.problem,
+        ) if r]  # fmt: skip
+        body = {
+            "status": "not ready" if reasons else "ready",
+            **({"reasons": reasons} if reasons else {}),
             "shm_dir": str(d.store.shm_dir),
             "shm_budget": d.budget.limit,
+            "shm_free": room.free,  # what the shm filesystem has free, against the budget claimed
+            "shm_ring": room.ring,  # bytes of the ring one load streams through
             "shm_page_size": pages.size,  # docs/deploy.md, "Huge-page segments"
             "shm_pages": pages.source,
             "segments_prepared": d.pool.prepared,  # docs/deploy.md, "Segments made at start"
@@ -226,6 +240,7 @@ def create_app(settings: Settings) -> FastAPI:
             "read_parallelism": read_parallelism_in_force(settings),  # docs/configuration.md, "Read parallelism"
             "local_reader": local_reader_in_force(settings.local_reader),  # docs/configuration.md
         }
+        return JSONResponse(body, status_code=503 if reasons else 200)
 
     @app.get("/metrics")
     def metrics(request: Request) -> Response:
@@ -241,19 +256,33 @@ def create_app(settings: Settings) -> FastAPI:
         return {"path": str(path)}
 
     @app.post("/v1/sessions/join")
-    def join(body: JoinRequest, request: Request) -> dict:
-        session = daemon(request).join(
-            uri=body.uri,
-            key=body.session,
-            rank=body.rank,
-            world_size=body.world_size,
-            select=body.select,
-            priority=body.priority,
-            launch_id=body.launch_id,
-            force=body.force,
-            peer_pid=request.scope.get(PEER_PID),
-        )
-        rank = session.ranks[body.rank]
+    async def join(body: JoinRequest, request: Request) -> dict:
+        # Admission (the checkpoint opened, the selection checked) in a worker thread; the wait for
+        # the other ranks on the event loop, so pending joins hold no thread, and a rank whose
+        # connection closes while it waits is withdrawn from the session.
+        loop = asyncio.get_running_loop()
+        others_joined = asyncio.Event()
+
+        def admit():
+            session = daemon(request).join(
+                uri=body.uri,
+                key=body.session,
+                rank=body.rank,
+                world_size=body.world_size,
+                select=body.select,
+                priority=body.priority,
+                launch_id=body.launch_id,
+                force=body.force,
+                peer_pid=request.scope.get(PEER_PID),
+            )
+            session.on_joined(functools.partial(_wake, loop, others_joined))
+            return session
+
+        session = await anyio.to_thread.run_sync(admit)
+        if not await _wait_unless_disconnected(others_joined, request):
+            await anyio.to_thread.run_sync(session.withdraw, body.rank)
+            return {}  # nobody reads it
+        rank = await anyio.to_thread.run_sync(session.joined, body.rank)
         # The shm dir as the daemon sees it; STREAMER_SHM_DIR overrides it in a rank that mounts
         # the same dir elsewhere.
         shm_dir = str(daemon(request).store.shm_dir)
@@ -275,3 +304,24 @@ def create_app(settings: Settings) -> FastAPI:
         return {"left": True}
 
     return app
+
+
+def _wake(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
+    with contextlib.suppress(RuntimeError):  # the loop is gone: the server stopped
+        loop.call_soon_threadsafe(event.set)
+
+
+async def _wait_unless_disconnected(event: asyncio.Event, request: Request) -> bool:
+    """Wait for ``event``; False if the client's connection closed first (its body was read)."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    waits = [asyncio.ensure_future(event.wait()), asyncio.ensure_future(disconnected())]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+    return event.is_set()

@@ -97,7 +97,9 @@ class Daemon:
         self._lock = threading.Lock()
         self._opening: dict[str, threading.Lock] = {}
         self._stop = threading.Event()
+        self.stopping = False  # the daemon tells its ranks it stops, then stops serving
         self._reaper: threading.Thread | None = None
+        self.reaper_stopped: str | None = None  # why the reaper thread ended, if it ever does
         self.store: SegmentStore | None = None
         self.pool: SegmentPool | None = None
         self.allow = AllowList(settings.allow)
@@ -115,7 +117,7 @@ class Daemon:
             self.pool.start_preparing(self.slot_size, min(self.budget.limit // self.slot_size, MAX_RING_SLOTS))
         if self.allow.any:
             log.warning("no --allow prefixes: this daemon will read any URI its credentials reach")
-        self._reaper = threading.Thread(target=self._reap_loop, name="reaper", daemon=True)
+        self._reaper = threading.Thread(target=self._reap_supervised, name="reaper", daemon=True)
         self._reaper.start()
         threading.Thread(target=_preload_native_reader, name="runai-preload", daemon=True).start()
         pages = self.store.pages
@@ -126,25 +128,50 @@ class Daemon:
         if not pages.huge:
             log.warning("%s", small_pages_advice(self.store.shm_dir, pages))
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop every session (reads in flight drain, nothing new is read) and give back their
-        segments before the pool's; waits at most ``timeout_s`` for the sessions."""
+    def tell_stopping(self) -> None:
+        """Refuse new joins, stop every session (reads in flight drain, nothing new is read) and
+        answer each rank's next request ``SessionError`` "the daemon is stopping"; wait until every
+        rank still reading was told, or ``STREAMER_STOP_GRACE_S`` passed, before the sessions give
+        their segments back. Called while the API still serves, before it stops."""
+        with self._lock:
+            if self.stopping:
+                return
+            self.stopping = True
+            sessions = list(self.sessions.values())
+        grace = self.settings.stop_grace_s
+        log.info("stopping: telling the ranks of %d sessions (for up to %g s)", len(sessions), grace)
+        for session in sessions:
+            session.cancel("the daemon is stopping", tell_s=grace)
+        deadline = time.monotonic() + grace + 10.0  # and the reads in flight drain
+        for session in sessions:
+            if not session.wait_ended(max(deadline - time.monotonic(), 0.0)):
+                log.warning("session %s did not stop within %g s; its segments may remain", session.key, grace + 10.0)
+
+    def stop(self) -> None:
+        """:meth:`tell_stopping` (where the API did not already), then give back the pool's
+        segments and the resident copies."""
+        self.tell_stopping()
         self._stop.set()
         if self._reaper is not None:
             self._reaper.join(timeout=5)
-        with self._lock:
-            sessions = list(self.sessions.values())
-        for session in sessions:
-            session.cancel("the daemon is stopping")
-        deadline = time.monotonic() + timeout_s
-        for session in sessions:
-            if not session.wait_ended(max(deadline - time.monotonic(), 0.0)):
-                log.warning("session %s did not stop within %g s; its segments may remain", session.key, timeout_s)
         if self.pool is not None:
             self.pool.close()
         self.resident.close()
         if self.store is not None:
             self.store.close()
+
+    def reaper_alive(self) -> bool:
+        return self._reaper is not None and self._reaper.is_alive()
+
+    def _reap_supervised(self) -> None:
+        try:
+            self._reap_loop()
+        except BaseException as exc:  # noqa: BLE001 - whatever ends the reaper is reported, never silent
+            self.reaper_stopped = f"the reaper stopped ({type(exc).__name__}: {exc})"
+            log.critical(
+                "%s: dead ranks are no longer reclaimed and idle segments no longer trimmed; /readyz says not ready",
+                self.reaper_stopped, exc_info=True,
+            )  # fmt: skip
 
     def _reap_loop(self) -> None:
         while not self._stop.wait(_REAP_INTERVAL_S):
@@ -181,7 +208,9 @@ class Daemon:
         peer_pid: int | None = None,
     ) -> Session:
         """Join ``rank`` to the group's session ``key``; ``peer_pid``: the rank's process, where
-        the unix socket tells it."""
+        the unix socket tells it. Returns once the rank is in the session, without waiting for the
+        others: ``Session.on_joined``, then ``Session.joined``."""
+        self._refuse_if_stopping(key, rank, uri)
         self._told_of_refusal(key, rank)
         try:
             parsed, checkpoint, chosen = self._admit(uri, rank, world_size, select, priority, launch_id, force)
@@ -250,6 +279,7 @@ class Daemon:
         deadline = time.monotonic() + self.settings.rank_timeout_s + 4 * _REAP_INTERVAL_S
         while True:
             with self._lock:
+                self._refuse_if_stopping(key, rank, parsed.normalized)  # under the lock tell_stopping takes
                 session = self.sessions.get(key)
                 if session is not None and session.checkpoint.uri != parsed:
                     raise SessionError(
@@ -277,8 +307,12 @@ class Daemon:
                     uri=parsed.normalized,
                 )
             time.sleep(_REAP_INTERVAL_S / 2)
-        session.join(rank, world_size, chosen, priority, ProcessWatch.of(peer_pid))
+        session.add(rank, world_size, chosen, priority, ProcessWatch.of(peer_pid))
         return session
+
+    def _refuse_if_stopping(self, key: str, rank: int, uri: str) -> None:
+        if self.stopping:
+            raise SessionError(f"session {key!r}: rank {rank} cannot join: the daemon is stopping", uri=uri)
 
     def _rejoining(self, key: str, session: Session | None, rank: int) -> bool:
         """Whether ``rank`` comes back to a load it did not finish (the others did, or still load)."""
@@ -344,9 +378,10 @@ class Daemon:
             _remember(self._ended_sessions, session.id, EndedSession(session.id, session.key, session.error, done))
 
     def stats(self) -> DaemonStats:
-        with self._lock:
-            active = tuple(s.summary() for s in self.sessions.values())
+        with self._lock:  # summaries outside it: a session ending holds its own lock and takes this one
+            sessions = list(self.sessions.values())
             finished = tuple(self.finished)
+        active = tuple(s.summary() for s in sessions)
         return DaemonStats(
             shm_budget=self.budget.limit,
             shm_in_use=self.budget.in_use,

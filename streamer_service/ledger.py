@@ -86,6 +86,12 @@ class RankLedger:
         self.ranks[rank] = state
         return state
 
+    def drop(self, rank: int) -> None:
+        """Forget ``rank``, which never received anything (it went away while the others joined)."""
+        state = self.ranks.pop(rank, None)
+        if state is not None:
+            state.stop_watching()
+
     def active(self) -> Iterator[RankState]:
         return (r for r in self.ranks.values() if r.status is RankStatus.ACTIVE)
 

@@ -4,8 +4,10 @@ A rank that dies is otherwise noticed only after ``STREAMER_RANK_TIMEOUT_S`` of 
 default), holding its segments all that time. The kernel tells a unix-socket server
 its peer's PID, translated into the server's PID namespace (0 where the peer is not visible
 there: another container without a shared process namespace, or a TCP peer), and a pidfd for it
-becomes readable when that process exits, with no PID-reuse race. The reaper polls it every
-half second; where no PID is known, the silence timeout still applies.
+becomes readable when that process exits, with no PID-reuse race. The reaper asks every half
+second, with ``poll(2)``, which takes any descriptor number (``select(2)`` refuses those from
+1024 on, which a daemon with many connections and ranks reaches); where no PID is known, the
+silence timeout still applies.
 """
 
 from __future__ import annotations
@@ -54,8 +56,9 @@ class ProcessWatch:
     def exited(self) -> bool:
         if self._fd is None:
             return False
-        readable, _, _ = select.select([self._fd], [], [], 0)
-        return bool(readable)
+        poller = select.poll()
+        poller.register(self._fd, select.POLLIN)
+        return bool(poller.poll(0))
 
     def close(self) -> None:
         fd, self._fd = self._fd, None

@@ -15,6 +15,7 @@ while ``health`` still imported torch through the server module.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
@@ -78,7 +79,11 @@ def _handler(render: Callable[[], bytes | None], api_socket: Path) -> type[BaseH
         except httpx.HTTPError as exc:
             return 503, {"status": "unavailable", "error": f"the API on {api_socket} does not answer: {exc}"}
         if reply.status_code != 200:
-            return 503, {"status": "unavailable", "error": f"/readyz on {api_socket} answered {reply.status_code}"}
+            body = {"status": "unavailable", "error": f"/readyz on {api_socket} answered {reply.status_code}"}
+            with contextlib.suppress(ValueError, AttributeError):
+                if reasons := reply.json().get("reasons"):  # not ready: why (the reaper, the shm room, stopping)
+                    body["reasons"] = reasons
+            return 503, body
         return 200, {"status": reply.json().get("status", "ready")}
 
     class Handler(BaseHTTPRequestHandler):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
+import resource
 import shutil
 import signal
 import socket
@@ -114,6 +116,7 @@ def serve(settings: Settings) -> int:
     path = Path(settings.socket) if settings.socket else DEFAULT_SOCKET
     mode = socket_mode(settings)
     check_startup(settings)
+    _raise_open_files_limit()
     app = create_app(settings)
     listener = None
     if settings.metrics_port is not None:  # bound first: a port in use stops the start, leaving nothing behind
@@ -155,7 +158,7 @@ def serve(settings: Settings) -> int:
         # the handler it found: ours ends the process with 0 once everything is cleaned up.
         previous = signal.signal(signal.SIGTERM, _stopped)
         try:
-            uvicorn.Server(config).run(sockets=sockets)
+            _Server(config, app).run(sockets=sockets)
         finally:
             signal.signal(signal.SIGTERM, previous)
     finally:
@@ -167,6 +170,35 @@ def serve(settings: Settings) -> int:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
     return 0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, which tells the ranks that the daemon stops before it stops serving them."""
+
+    def __init__(self, config: uvicorn.Config, app) -> None:
+        super().__init__(config)
+        self._app = app
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        daemon = getattr(self._app.state, "daemon", None)
+        if daemon is not None:
+            await asyncio.to_thread(daemon.tell_stopping)
+        await super().shutdown(sockets)
+
+
+def _raise_open_files_limit() -> None:
+    """The soft limit of open files up to the hard one: every connection, pending join and rank
+    takes descriptors, and a node daemon serves many (the soft limit is often 1024)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else 1 << 20
+    if soft == resource.RLIM_INFINITY or soft >= target:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+    except (OSError, ValueError) as exc:
+        log.warning("open files: soft limit %d, could not raise it to %d: %s", soft, target, exc)
+    else:
+        log.info("open files: soft limit raised from %d to %d", soft, target)
 
 
 def _stopped(signum: int, frame) -> None:

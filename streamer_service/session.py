@@ -117,6 +117,9 @@ class Session:
         self._buffers = SessionBuffers(pool, slot_size, resident, lock=self._cond, clock=clock)
         self._chosen: dict[int, tuple[Sequence[TensorInfo], Sequence[str] | None]] = {}  # each rank's selection
         self._cancelled = False
+        self._joined_callbacks: list[Callable[[], None]] = []
+        self._told: set[int] = set()  # ranks that were answered the error of a cancelled load
+        self._tell_until = 0.0  # a cancelled load keeps its segments until then for ranks not told yet
         self.load_complete = False  # every batch was loaded and published
         self._thread: threading.Thread | None = None
 
@@ -130,9 +133,26 @@ class Session:
         priority: Sequence[str] | None,
         process: ProcessWatch | None = None,
     ) -> RankState:
-        """Add ``rank`` with its selected tensors (``plan.select``); block until every rank has
-        joined (or the join timeout passes). ``process`` watches the rank's process, so that a
-        rank whose process is gone is reclaimed at once."""
+        """:meth:`add` ``rank``, then block until every rank has joined (or the join timeout passes)."""
+        self.add(rank, world_size, chosen, priority, process)
+        with self._cond:
+            while self.state is SessionState.JOINING:
+                self._expire_join(self._clock())
+                self._cond.wait(max(min(self._join_deadline - self._clock(), 1.0), 0.01))
+        return self.joined(rank)
+
+    def add(
+        self,
+        rank: int,
+        world_size: int,
+        chosen: Sequence[TensorInfo],
+        priority: Sequence[str] | None,
+        process: ProcessWatch | None = None,
+    ) -> RankState:
+        """Add ``rank`` with its selected tensors (``plan.select``) and start the load once every
+        rank is in; never waits. ``process`` watches the rank's process, so that a rank whose
+        process is gone is reclaimed at once. Wait for the others with :meth:`on_joined` (the
+        daemon's API, without a thread) or :meth:`join`, then :meth:`joined`."""
         with self._cond:
             if world_size != self.world_size:
                 raise SessionError(
@@ -157,22 +177,50 @@ class Session:
             if len(self.ranks) == self.expected:
                 self._start()
                 self._cond.notify_all()
-            while self.state is SessionState.JOINING:
-                remaining = self._join_deadline - self._clock()
-                if remaining <= 0:
-                    missing = sorted(set(range(self.world_size)) - set(self.ranks))
-                    self._fail(
-                        SessionError(
-                            f"session {self.key!r} for {self.checkpoint.uri}: only {len(self.ranks)} of "
-                            f"{self.world_size} ranks joined within {self._join_timeout_s:g} s (missing ranks {missing})",
-                            uri=self.checkpoint.uri.normalized,
-                        )
-                    )
-                    break
-                self._cond.wait(min(remaining, 1.0))
+            return state
+
+    def on_joined(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (from any thread, so it must not block) once the session no longer
+        waits for ranks: every rank joined, or it failed. At once if that is so already."""
+        with self._cond:
+            if self.state is SessionState.JOINING:
+                self._joined_callbacks.append(callback)
+                return
+        callback()
+
+    def joined(self, rank: int) -> RankState:
+        """``rank``'s state once the session no longer waits for ranks; its error if it failed."""
+        with self._cond:
             if self.state is SessionState.FAILED and self.error is not None:
                 raise self.error
-            return state
+            return self.ranks[rank]
+
+    def withdraw(self, rank: int) -> None:
+        """``rank`` went away while the session waited for the others (its connection closed): it
+        is no longer part of the session, which ends once no rank waits in it."""
+        with self._cond:
+            state = self.ranks.get(rank)
+            if self.state is not SessionState.JOINING or state is None:
+                return
+            self._ledger.drop(rank)
+            self._chosen.pop(rank, None)
+            log.info("session %s: rank %d went away before every rank joined", self.key, rank)
+            if not self.ranks:
+                self._fail(
+                    SessionError(f"session {self.key!r} for {self.checkpoint.uri}: every rank that joined went away", uri=self.checkpoint.uri.normalized)
+                )
+
+    def _expire_join(self, now: float) -> None:
+        """Fail a session still waiting for ranks past the join timeout (under the lock)."""
+        if self.state is SessionState.JOINING and now >= self._join_deadline:
+            missing = sorted(set(range(self.world_size)) - set(self.ranks))
+            self._fail(
+                SessionError(
+                    f"session {self.key!r} for {self.checkpoint.uri}: only {len(self.ranks)} of "
+                    f"{self.world_size} ranks joined within {self._join_timeout_s:g} s (missing ranks {missing})",
+                    uri=self.checkpoint.uri.normalized,
+                )
+            )
 
     @property
     def only(self) -> int | None:
@@ -199,6 +247,12 @@ class Session:
             r.last_seen = now
         self._thread = threading.Thread(target=self._run, args=(wanted,), name=f"session-{self.id[:8]}", daemon=True)
         self._thread.start()
+        self._no_longer_joining()
+
+    def _no_longer_joining(self) -> None:
+        callbacks, self._joined_callbacks = self._joined_callbacks, []
+        for callback in callbacks:
+            callback()
 
     # ------------------------------------------------------------------ streaming thread
 
@@ -239,6 +293,9 @@ class Session:
             )  # fmt: skip
         except _Cancelled:
             with self._cond:
+                # Ranks still reading are answered the error before the segments they were handed go.
+                while self._untold() and self._clock() < self._tell_until:
+                    self._cond.wait(min(self._tell_until - self._clock(), 0.5))
                 self._end(SessionState.FAILED)
             log.warning(
                 "session %s (%s): %s; stopped after %d bytes read",
@@ -338,14 +395,16 @@ class Session:
             deadline = self._clock() + wait_s
             state.asking += 1
             try:
-                while not state.queue and self.state is SessionState.STREAMING and state.to_hand_out:
+                while not state.queue and self.state is SessionState.STREAMING and state.to_hand_out and not self._cancelled:
                     remaining = deadline - self._clock()
                     if remaining <= 0:
                         break
                     self._cond.wait(remaining)
             finally:
                 state.asking -= 1
-            if self.state is SessionState.FAILED and self.error is not None:
+            if self.error is not None and (self._cancelled or self.state is SessionState.FAILED):
+                self._told.add(rank)
+                self._cond.notify_all()
                 raise self.error
             if state.status is RankStatus.RECLAIMED:
                 raise self._reclaimed(rank)
@@ -361,9 +420,10 @@ class Session:
             self._stop_if_abandoned()
             self._cond.notify_all()
 
-    def cancel(self, reason: str) -> None:
+    def cancel(self, reason: str, tell_s: float = 0.0) -> None:
         """Stop this session (the daemon stops): reads in flight drain, nothing new is submitted,
-        its segments go back; waiting ranks get ``reason``."""
+        its segments go back; waiting ranks get ``reason``, and every rank's next request does.
+        Its segments stay for up to ``tell_s`` until each rank still reading has been told."""
         with self._cond:
             error = SessionError(f"session {self.key!r} for {self.checkpoint.uri}: {reason}", uri=self.checkpoint.uri.normalized)
             if self.state is SessionState.JOINING:
@@ -371,7 +431,12 @@ class Session:
             elif self.state is SessionState.STREAMING:
                 self.error = error
                 self._cancelled = True
+                self._tell_until = self._clock() + tell_s
             self._cond.notify_all()
+
+    def _untold(self) -> list[int]:
+        """Ranks still reading a cancelled load that have not been answered its error yet."""
+        return [r.rank for r in self._ledger.active() if r.rank not in self._told]
 
     def wait_ended(self, timeout_s: float) -> bool:
         """Wait for the streaming thread to have given everything back."""
@@ -388,8 +453,10 @@ class Session:
             self._cancelled = True
 
     def reap(self, now: float, rank_timeout_s: float) -> None:
-        """Reclaim ranks whose process is gone or that were silent for longer than ``rank_timeout_s``."""
+        """Reclaim ranks whose process is gone or that were silent for longer than ``rank_timeout_s``;
+        fail a session still waiting for ranks after the join timeout."""
         with self._cond:
+            self._expire_join(now)
             if self.state is not SessionState.STREAMING:
                 return
             for state, why, freed in self._ledger.reclaim(now, rank_timeout_s):
@@ -432,6 +499,7 @@ class Session:
         self._cond.notify_all()
         if self._thread is None:  # never started streaming: nothing else will call on_end
             self._ledger.clear()  # the joined ranks' process watches
+            self._no_longer_joining()
             self._on_end(self)
 
     def summary(self) -> SessionSummary:

@@ -158,6 +158,7 @@ class Settings:
     segment_prepare: bool = Setting(True, flag, "make the first load's ring segments when the daemon starts")
     join_timeout_s: float = Setting(300.0, number(gt=0), "how long the ranks of a session have to join")
     rank_timeout_s: float = Setting(30.0, number(gt=0), "a rank silent this long is reclaimed")
+    stop_grace_s: float = Setting(10.0, number(ge=0), "how long a stopping daemon waits for its ranks to hear that it stops before it stops serving")
     log_level: str = Setting("INFO", level_name, "least severe level logged")
     log_format: str = Setting("text", choice("text", "json"), "text: one readable line; json: one JSON object per line")
     progress: str = Setting("auto", choice(*PROGRESS_MODES), "progress bars on stderr: auto (on a terminal), on, off")

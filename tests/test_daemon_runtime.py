@@ -1,0 +1,247 @@
+"""The daemon's runtime under hostile and unlucky clients: many open connections, joins held by a
+client that then dies, a shm filesystem too small for its budget, SIGTERM mid-load, a reaper that
+stops. Real daemon processes, real unix sockets, real rank processes."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from daemon_harness import DaemonProcess, finish, finish_failed, leftovers, wait_until
+from streamer_service.sample import rank_selection
+
+OPEN_FILES = 8192  # the daemon's and this test's limit: room for thousands of connections
+
+
+@pytest.fixture
+def open_files():
+    """This process may hold ``OPEN_FILES`` descriptors; the limit it had comes back afterwards."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < OPEN_FILES:
+        pytest.skip(f"the hard limit of open files is {hard}, below {OPEN_FILES}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, OPEN_FILES), hard))
+    yield ["prlimit", f"--nofile={OPEN_FILES}", "--"]  # the daemon gets the same limit
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def _names(sample: Path) -> list[str]:
+    index = json.loads((sample / "model.safetensors.index.json").read_text())
+    return sorted(index["weight_map"])
+
+
+def _fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _timed_get(d: DaemonProcess, path: str) -> tuple[float, httpx.Response]:
+    started = time.monotonic()
+    with d.client() as c:
+        reply = c.get(path, timeout=30)
+    return time.monotonic() - started, reply
+
+
+# --------------------------------------------------------------------------- the reaper
+
+
+def test_a_rank_killed_while_2000_connections_are_open_is_reclaimed_at_once(sample, tmp_path, open_files):
+    """Descriptor numbers past 1024 (2,000 idle connections): the reaper still sees a dead rank."""
+    names = _names(sample)
+    selections = [rank_selection(names, r, 2) for r in range(2)]
+    d = DaemonProcess(
+        tmp_path, {"STREAMER_SLOT_SIZE": "1MiB", "STREAMER_RANK_TIMEOUT_S": "600"}, "--shm-budget", "3MiB", wrap=open_files
+    ).start()  # fmt: skip
+    held = []
+    try:
+        before = _fds(d.proc.pid)
+        for _ in range(2000):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(str(d.socket))
+            held.append(s)
+        wait_until(lambda: _fds(d.proc.pid) >= before + 2000, 120, "the daemon to accept 2,000 connections")
+        ranks = [d.start_rank(str(sample), r, 2, sample, selections[r]) for r in range(2)]
+        victim = ranks[1]
+        assert victim.stderr.readline().startswith("got ")  # it holds leases now
+        victim.send_signal(signal.SIGKILL)
+        victim.wait()
+        started = time.monotonic()
+        result = finish(ranks[0], timeout=180)  # the rank timeout is 600 s: only the reaper ends the wait
+        print(f"survivor finished {time.monotonic() - started:.1f} s after rank 1 was killed")
+        assert result["bad"] == [] and len(result["got"]) == len(selections[0])
+        assert d.finished()[-1]["ranks"]["1"]["status"] == "reclaimed"
+        assert "rank 1 its process is gone" in d.log.read_text()
+        assert _timed_get(d, "/readyz")[1].status_code == 200
+    finally:
+        for s in held:
+            s.close()
+        d.stop()
+
+
+def test_a_reaper_that_stops_makes_the_daemon_not_ready_and_says_why(tmp_path, caplog):
+    """Whatever ends the reaper thread, /readyz answers 503 with the reason and the log says it."""
+    from starlette.testclient import TestClient
+
+    from streamer_service.api import create_app
+    from streamer_service.settings import Settings
+
+    app = create_app(Settings(segment_idle_s=0))
+    with caplog.at_level(logging.CRITICAL, logger="streamer_service.daemon"), TestClient(app, client=("", 0)) as c:  # as over the unix socket
+        assert c.get("/readyz").status_code == 200
+        daemon = app.state.daemon
+
+        def broken(now: float) -> None:  # a fault injected into the reaper's round
+            raise RuntimeError("injected fault")
+
+        daemon.pool.trim = broken
+        reply = wait_until(lambda: (r := c.get("/readyz")).status_code == 503 and r, 30, "/readyz to say not ready")
+        assert reply.json()["status"] == "not ready"
+        assert reply.json()["reasons"] == ["the reaper stopped (RuntimeError: injected fault)"]
+        assert c.get("/healthz").status_code == 200  # the process is up: readiness says what is wrong
+    logged = [r for r in caplog.records if r.levelno == logging.CRITICAL]
+    assert len(logged) == 1 and "the reaper stopped (RuntimeError: injected fault)" in logged[0].getMessage()
+    assert "no longer reclaimed" in logged[0].getMessage() and logged[0].exc_info is not None
+
+
+# --------------------------------------------------------------------------- pending joins
+
+HOLD_JOINS = """
+import json, os, resource, socket, sys
+path, uri, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+resource.setrlimit(resource.RLIMIT_NOFILE, (resource.getrlimit(resource.RLIMIT_NOFILE)[1],) * 2)
+held = []
+for i in range(count):
+    body = json.dumps({"uri": uri, "session": f"held-{i}", "rank": 0, "world_size": 2}).encode()
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(path)
+    s.sendall(b"POST /v1/sessions/join HTTP/1.1\\r\\nHost: d\\r\\nContent-Type: application/json\\r\\n"
+              b"Content-Length: %d\\r\\n\\r\\n" % len(body) + body)
+    held.append(s)
+print("sent", flush=True)
+sys.stdin.readline()
+os._exit(0)  # every connection closes with the process
+"""
+
+
+def test_a_thousand_joins_held_by_a_client_that_exits_starve_nothing_and_go_with_it(sample, tmp_path, open_files):
+    d = DaemonProcess(tmp_path, {"STREAMER_RANK_TIMEOUT_S": "60"}, wrap=open_files).start()
+    client = subprocess.Popen(
+        [sys.executable, "-c", HOLD_JOINS, str(d.socket), str(sample), "1000"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert client.stdout.readline().strip() == "sent"
+
+        def joining() -> int:
+            return sum(s["state"] == "joining" for s in d.stats()["sessions"])
+
+        wait_until(lambda: joining() == 1000, 240, "1,000 sessions waiting for their rank 1")
+        for path in ("/healthz", "/readyz"):
+            took, reply = _timed_get(d, path)
+            print(f"{path} with 1,000 joins pending: {took:.3f} s")
+            assert reply.status_code == 200 and took < 5
+        client.stdin.close()
+        assert client.wait(timeout=60) == 0
+        took, reply = _timed_get(d, "/healthz")
+        print(f"/healthz right after the client exited: {took:.3f} s")
+        assert reply.status_code == 200 and took < 5
+        wait_until(lambda: d.stats()["sessions"] == [], 120, "the dead client's joins to be withdrawn")
+        assert "every rank that joined went away" in d.stats()["finished"][-1]["error"]
+        started = time.monotonic()
+        result = finish(d.start_rank(str(sample), 0, 1, sample, None), timeout=180)
+        print(f"a new load (rank process start included): {time.monotonic() - started:.1f} s")
+        assert result["bad"] == [] and len(result["got"]) == len(_names(sample))
+        assert leftovers(d, tmp_path / "cache") == ([], [])
+    finally:
+        client.kill()
+        client.wait()
+        d.stop()
+
+
+# --------------------------------------------------------------------------- readiness and shm room
+
+namespaces = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("nsenter") is None,
+    reason="needs root and util-linux unshare/nsenter for a private mount namespace with a small tmpfs",
+)
+
+
+@namespaces
+@pytest.mark.parametrize("size, ready", [("64m", False), ("300m", True)])
+def test_readiness_says_whether_the_shm_filesystem_holds_a_loads_ring(tmp_path, size, ready):
+    """256 MiB budget, slots of 64 MiB: a load streams through 4 of them (256 MiB)."""
+    d = DaemonProcess(tmp_path, {}, "--shm-budget", "256MiB", tmpfs={tmp_path / "shm": size}).start()
+    try:
+        _, reply = _timed_get(d, "/readyz")
+        body = reply.json()
+        assert (reply.status_code, body["status"]) == ((200, "ready") if ready else (503, "not ready")), body
+        assert body["shm_budget"] == 256 * 2**20 and body["shm_ring"] == 256 * 2**20
+        assert body["shm_free"] == int(size[:-1]) * 2**20
+        if not ready:
+            assert body["reasons"] == [
+                f"the shm filesystem at {d.shm_dir} has 64.0 MiB free: less than the 4 slots of 64.0 MiB one "
+                "load streams through, while STREAMER_SHM_BUDGET claims 256.0 MiB; give the shm dir more room "
+                "(a larger tmpfs or emptyDir sizeLimit) or lower --shm-budget or STREAMER_SLOT_SIZE"
+            ]
+            health = subprocess.run(
+                [sys.executable, "-m", "streamer_service", "health", "--ready", "--socket", str(d.socket)],
+                capture_output=True, text=True, timeout=60,
+            )  # fmt: skip
+            assert health.returncode == 1 and "/readyz answered 503" in health.stderr
+        assert d.healthy()
+    finally:
+        d.stop()
+
+
+# --------------------------------------------------------------------------- SIGTERM
+
+
+def test_sigterm_mid_load_tells_every_rank_the_daemon_is_stopping(sample, tmp_path):
+    names = _names(sample)
+    selections = [rank_selection(names, r, 2) for r in range(2)]
+    d = DaemonProcess(
+        tmp_path, {"STREAMER_SLOT_SIZE": "1MiB", "STREAMER_RANK_TIMEOUT_S": "600"}, "--shm-budget", "3MiB"
+    ).start()  # fmt: skip
+    # Slow consumers: the load is in its middle when the daemon is told to stop.
+    ranks = [d.start_rank(str(sample), r, 2, sample, selections[r], RANK_SLOW_S="0.2") for r in range(2)]
+    try:
+        for rank in ranks:
+            assert rank.stderr.readline().startswith("got ")
+        d.proc.send_signal(signal.SIGTERM)
+        for rank in ranks:
+            result = finish_failed(rank, timeout=120)
+            assert result["error"]["type"] == "SessionError", result["error"]
+            assert result["error"]["message"].endswith(": the daemon is stopping"), result["error"]
+            assert result["bad"] == [] and 0 < len(result["got"]) < len(selections[result["rank"]])
+        assert d.proc.wait(timeout=60) == 0
+        assert list(d.shm_dir.iterdir()) == [] and not d.socket.exists()
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.communicate()
+        d.stop()
+
+
+def test_a_join_waiting_at_sigterm_is_told_the_daemon_is_stopping(sample, tmp_path):
+    d = DaemonProcess(tmp_path, {}).start()
+    rank = d.start_rank(str(sample), 0, 2, sample, None)  # rank 1 never comes
+    try:
+        wait_until(lambda: [s["state"] for s in d.stats()["sessions"]] == ["joining"], 120, "rank 0 to wait in its join")
+        d.proc.send_signal(signal.SIGTERM)
+        result = finish_failed(rank, timeout=120)
+        assert result["error"]["type"] == "SessionError" and result["error"]["message"].endswith(": the daemon is stopping")
+        assert d.proc.wait(timeout=60) == 0
+    finally:
+        rank.kill()
+        rank.communicate()
+        d.stop()
