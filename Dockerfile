@@ -24,7 +24,7 @@ ENV PIP_NO_CACHE_DIR=1 \
 RUN python -m venv /opt/streamer-service
 ENV PATH=/opt/streamer-service/bin:$PATH
 
-# A C compiler for the native copier of local files (streamer_service/_copier.c, an optional
+# A C compiler for the native copier of local files (client/streamer_client/_copier.c, an optional
 # extension: without it the daemon would read local files through Run:ai). Only this stage has
 # one; the runtime stage gets the built module with the venv. Unpinned: the base is pinned by
 # digest, libc6-dev must match its libc, and the import check below proves the module built.
@@ -53,7 +53,7 @@ COPY pyproject.toml README.md ./
 COPY streamer_service/ streamer_service/
 RUN pip install --no-deps ./client . \
     && pip check \
-    && python -c "import streamer_service.server, streamer_service.api, streamer_service.daemon, streamer_service._copier" \
+    && python -c "import streamer_service.server, streamer_service.api, streamer_service.daemon, streamer_client._copier" \
     && streamer-service --help > /dev/null
 
 # ---------------------------------------------------------------------------------------------

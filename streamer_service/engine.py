@@ -73,18 +73,17 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from streamer_client.cuda import PinnedCopier
-from streamer_client.devices import resolve_device
-from streamer_client.dtypes import byte_view, tensor_over, torch_dtype
+from streamer_client import delivery
+from streamer_client.dtypes import torch_dtype
 from streamer_client.errors import BorrowedTensorError, CheckpointError, ConfigError
 from streamer_client.leases import Leases
+from streamer_client.request import target
 
 from .buffers import HostBuffer, PinnedPool, pinned_pool
 from .catalog import Catalog
-from .header import TensorInfo
 from .mapped import reader_for
 from .plan import DEFAULT_ALIGN, Batch, BatchKind, Part, Placement, Plan, build_plan, in_parts
 from .plan import select as select_tensors
@@ -218,11 +217,9 @@ class EmbeddedEngine:
         A storage failure raises the :class:`StorageError` Run:ai reported, naming the file and
         byte range; no tensor of the failed batch is yielded.
         """
-        target = resolve_device(device)
-        if borrowed and target.type != "cpu":
-            raise ConfigError(f"borrowed views are CPU memory; device {device!r} needs a copy anyway")
+        device = target(device, borrowed)
         self._check_plan(plan)
-        return self._run(plan, target, borrowed)
+        return self._run(plan, device, borrowed)
 
     def _check_plan(self, plan: Plan) -> None:
         if plan.slot_size > self.config.slot_size:
@@ -490,24 +487,14 @@ class _Stream:
     def _materialize(self, load: Load, placement: Placement) -> torch.Tensor:
         info = placement.tensor
         if load.buffer is None:  # empty tensor: no bytes were read
-            return torch.empty(info.shape, dtype=torch_dtype(info.dtype), device=self._device)
+            return delivery.empty(info.dtype, info.shape, self._device)
         view = load.buffer.view(placement.buffer_offset, info.nbytes)
-        if self._hand_over or (self._device.type == "cpu" and load.batch.kind is BatchKind.OVERSIZED):
-            return tensor_over(view, info.dtype, info.shape)  # a buffer that is never reused: no copy needed
-        if self._borrowed:
-            return self._lend(load.token, view, info)
-        return self._copy(view, info)
-
-    def _lend(self, slot: _Slot, view: np.ndarray, info: TensorInfo) -> torch.Tensor:
-        self._in_hand = slot.leases.lend(info.name, view)
-        return tensor_over(view, info.dtype, info.shape)
-
-    def _copy(self, view: np.ndarray, info: TensorInfo) -> torch.Tensor:
         if self._copier is not None:
             # Queued on the copier's stream; the buffer is kept until the batch's fence completes.
-            out = self._copier.copy(torch.from_numpy(view), torch_dtype(info.dtype), info.shape)
-        else:
-            out = torch.empty(info.shape, dtype=torch_dtype(info.dtype), device=self._device)
-            byte_view(out).copy_(torch.from_numpy(view))
-        self._stats.bytes_copied += info.nbytes
-        return out
+            self._stats.bytes_copied += info.nbytes
+            return delivery.to_device(self._copier, view, info.dtype, info.shape)
+        if self._borrowed and load.batch.kind is not BatchKind.OVERSIZED:
+            tensor, self._in_hand = delivery.lend(load.token.leases, info.name, view, info.dtype, info.shape)
+            return tensor
+        # CPU: a buffer handed over, or an oversized tensor's own: never reused, no copy needed.
+        return delivery.over(view, info.dtype, info.shape)

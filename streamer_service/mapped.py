@@ -13,12 +13,13 @@ are unchanged:
   load's cost, and unmapping 6 GB of 4 KiB pages is slow, so neither is paid per load. Mappings
   not used by a load for ``idle_s`` seconds (:data:`IDLE_S`) are dropped, so a checkpoint deleted
   from tmpfs gives its memory back then at the latest;
-- every batch's ranges are copied by a pool of native threads (``_copier.c``), split into
+- every batch's ranges are copied by the process's native copier
+  (:mod:`streamer_client.copier`), split into
   chunks; the interpreter queues a batch with one call and waits for it with one call, the GIL
   released. Python threads copying the same chunks ran at 21-24 GB/s because they need the GIL
   between chunks;
 - a file cut short under its mapping raises SIGBUS on the next access past its end. The copying
-  threads catch it (``_copier.c``) and the range fails with :class:`ObjectChangedError`, as a
+  threads catch it and the range fails with :class:`ObjectChangedError`, as a
   ``pread`` past the end fails in Run:ai's reader; a range beyond the size the file had when
   mapped fails the same way without being copied. A missing or unreadable file is a
   :class:`StorageError` naming it. The version check after each batch (``versions``) still
@@ -53,20 +54,12 @@ from streamer_client.errors import ObjectChangedError, StorageError
 from .runai import FS_STRATEGY_ENV, FileReads, NativeReader, RangeResult, ReadRange
 from .uri import StorageURI
 
-try:
-    from . import _copier
-except ImportError:  # built without a C compiler: Run:ai reads local files too
-    _copier = None
+from streamer_client import copier
+from streamer_client.copier import _copier  # None where it did not build: Run:ai reads local files
 
 __all__ = ["IDLE_S", "FileMaps", "MappedReader", "available", "file_maps", "local_reader_in_force", "reader_for"]
 
 IDLE_S = 30.0  # a file mapping no load used for this long is dropped
-COPY_THREADS = min(12, len(os.sched_getaffinity(0)))
-"""Copying threads of the process's pool. On a 16-CPU H200 host, 6.44 GB from tmpfs to cuda:0,
-reloads: 8 threads 38.5 GB/s, 10-14 threads 42.8-43.7, 16 threads 42.3 (InstantTensor, 16 threads:
-39.0); the loading thread and the DMA's completions need CPUs too (docs/benchmarks.md)."""
-CHUNK_BYTES = 2 * 1024 * 1024  # 1 MiB: the same within noise; 4 MiB: slower
-_POLL_MS = 500  # waits return to the interpreter this often, so Ctrl-C is handled
 
 
 def available() -> bool:
@@ -121,12 +114,12 @@ class _Mapping:
         self.size = identity.size
         self.address = 0  # (for __del__, should the mapping fail)
         # Mapped by the extension: Python's mmap would keep a duplicate descriptor per file.
-        self.address = _copier.map(fd, self.size) if self.size else 0
+        self.address = copier.map_file(fd, self.size) if self.size else 0
         self.last_used = 0.0
 
     def __del__(self) -> None:
         if self.address and _copier is not None:
-            _copier.unmap(self.address, self.size)
+            copier.unmap(self.address, self.size)
 
 
 class FileMaps:
@@ -199,7 +192,6 @@ class FileMaps:
 
 
 _MAPS: FileMaps | None = None
-_COPIER: Any = None
 _SHARED_LOCK = threading.Lock()
 
 
@@ -212,19 +204,14 @@ def file_maps() -> FileMaps:
         return _MAPS
 
 
-def _pool() -> Any:
-    global _COPIER
-    with _SHARED_LOCK:
-        if _COPIER is None:
-            _COPIER = _copier.pool(COPY_THREADS, CHUNK_BYTES)
-        return _COPIER
+_pool = copier.pool
 
 
 def _forget_after_fork() -> None:
-    # A forked child has neither the copier's threads nor the mappings' timer: it makes its own
-    # on first use (the parent's pool refuses to be used or stopped there, _copier.c).
-    global _COPIER, _MAPS, _SHARED_LOCK
-    _COPIER = _MAPS = None
+    # A forked child has not the mappings' timer: it makes its own on first use (and its own
+    # copier pool: streamer_client.copier).
+    global _MAPS, _SHARED_LOCK
+    _MAPS = None
     _SHARED_LOCK = threading.Lock()
 
 
@@ -327,7 +314,7 @@ class MappedReader:
                 srcs.append(mapping.address + read.offset)
                 sizes.append(read.nbytes)
                 copies.append((fi, ri))
-        ticket = _copier.submit(_pool(), dsts.tobytes(), srcs.tobytes(), sizes.tobytes()) if copies else None
+        ticket = copier.submit(dsts, srcs, sizes) if copies else None
         submission = _Submission(self._next_id, files, (keepalive, sources), ticket, copies, errors)
         self._next_id += 1
         self._live.append(submission)
@@ -359,11 +346,7 @@ class MappedReader:
         return f"MappedReader({'open' if self._started else 'closed'}, {len(self._live)} submissions)"
 
 
-def _wait(ticket: int) -> int:
-    """Wait for a batch of the copier: -1, or the index of the copy that hit the end of its file."""
-    while (failed := _copier.wait(_pool(), ticket, _POLL_MS)) is None:
-        pass  # back in the interpreter between waits, so that Ctrl-C is handled
-    return failed
+_wait = copier.wait
 
 
 def _shorter(path: str, read: ReadRange, size: int) -> ObjectChangedError:

@@ -169,10 +169,26 @@ def stream(
     if client is not None:
         from .daemon import daemon_stream
 
+        _warn_in_process_only(request, client)
         return daemon_stream(client, dataclasses.replace(request, launch_id=launch_id or _launch_id()))
     from ._embedded import stream_in_process
 
     return stream_in_process(request)
+
+
+def _warn_in_process_only(request: StreamRequest, client) -> None:
+    """``budget=``/``cache_dir=`` size an in-process load; through a daemon its own settings
+    apply (``serve --shm-budget``, its metadata cache): said once per call, not ignored silently."""
+    given = request.in_process_only()
+    if given:
+        import warnings
+
+        message = (
+            f"{' and '.join(a + '=' for a in given)} applies to in-process loads only; the daemon at "
+            f"{client.socket} loads with its own (serve --shm-budget, --cache-dir)"
+        )
+        log.warning("%s", message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def _progress_mode(asked: bool) -> str:

@@ -1,10 +1,22 @@
 """Daemon mode: join the node daemon's load session, map its segments, yield tensors.
 
 The protocol is ``streamer_client.protocol`` (both sides import it; routes in
-``streamer_service/api.py``). Segments live in the daemon's shm dir (its join reply says where;
-``STREAMER_SHM_DIR`` overrides that where the rank mounts the same dir elsewhere). Segments are files in
-``STREAMER_SHM_DIR`` (which the rank and the daemon must share), mapped once per
-stream and reused as the daemon recycles them.
+``streamer_service/api.py``). Segments are files in the daemon's shm dir (its join reply says
+where; ``STREAMER_SHM_DIR`` overrides that where the rank mounts the same dir elsewhere), mapped
+once per process and reused as the daemon recycles them (``segments``).
+
+How a batch's bytes become tensors (``delivery``, shared with the embedded engine):
+
+- CPU, owned: the native copier's threads copy the whole batch into new tensors; the batch is
+  released to the daemon before its tensors are yielded;
+- CPU, ``borrowed=True``: views of a private mapping, released when the next batch is asked for;
+- CUDA, staged (``STREAMER_PIN_SEGMENTS=never``, and a process's first load with ``auto``): the
+  copier's threads copy the segment, a window at a time, into the process's small page-locked
+  staging ring, each window's host-to-device copy overlapping the next window; the batch is
+  released as soon as its bytes are staged. Nothing the size of the checkpoint is page-locked;
+- CUDA, pinned (``always``, and a reloading process with ``auto``): each segment is page-locked
+  once per process (on a worker thread, ahead of its copies) and copied from directly; the batch
+  is released once its copies completed.
 """
 
 from __future__ import annotations
@@ -13,7 +25,6 @@ import contextlib
 import functools
 import logging
 import mmap
-import warnings
 import weakref
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -21,9 +32,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import errors, protocol
-from .dtypes import byte_view, tensor_over, torch_dtype
-from .errors import StreamerError
+from . import copier, delivery, errors, protocol
+from .errors import DaemonError, StreamerError
 from .leases import Leases
 from .connection import POLL_WAIT_S, DaemonClient
 from .progress import track
@@ -62,7 +72,15 @@ class _PrivateSegments:
 
 
 def _empty(h: Handle, device: torch.device) -> torch.Tensor:
-    return torch.empty(h.shape, dtype=torch_dtype(h.dtype), device=device)
+    return delivery.empty(h.dtype, h.shape, device)
+
+
+def _staged(pin_segments: str, reloading: bool) -> bool:
+    """Whether a CUDA load copies through the staging ring instead of page-locking segments
+    (``STREAMER_PIN_SEGMENTS``; ``auto``: a process's first load, where the copier is built)."""
+    if pin_segments == "auto":
+        return copier.available() and not reloading
+    return pin_segments == "never"
 
 
 def daemon_stream(client: DaemonClient, request: StreamRequest) -> Iterator[tuple[str, torch.Tensor]]:
@@ -83,34 +101,49 @@ def daemon_stream(client: DaemonClient, request: StreamRequest) -> Iterator[tupl
     )
     joined = JoinReply.from_wire(reply)
     shm_dir = cfg.if_given("shm_dir") or Path(joined.shm_dir)
-    tensors = _Receiver(client, shm_dir, joined.session_id, request.rank, device, request.borrowed).run()
+    tensors = _Receiver(
+        client, shm_dir, joined.session_id, request.rank, device, request.borrowed, pin_segments=cfg.pin_segments
+    ).run()
     if request.progress == "off":
         return tensors
     return track(tensors, total=joined.bytes, desc=f"rank {request.rank}", mode=request.progress)
 
 
 class _Receiver:
-    def __init__(self, client: DaemonClient, shm_dir: Path, session_id: str, rank: int, device: torch.device, borrowed: bool) -> None:
+    def __init__(
+        self, client: DaemonClient, shm_dir: Path, session_id: str, rank: int, device: torch.device, borrowed: bool,
+        *, pin_segments: str = "always",
+    ) -> None:  # fmt: skip
         self._client = client
         self._next = protocol.rank_path(session_id, rank, "next")
         self._leave = protocol.rank_path(session_id, rank, "leave")
-        # Owned copies map each segment once per process and keep it across loads (segments.py).
-        self._segments = (
-            _PrivateSegments(shm_dir) if borrowed else segment_maps(shm_dir).load(populate=device.type != "cuda")
-        )
         self._device = device
         self._borrowed = borrowed
         self._release: list[int] = []
         self._leases = Leases()  # borrowed views of the batch in hand
         self._in_hand: weakref.ref | None = None
         self._copier = None
+        self._staging: delivery.Staging | None = None
+        staged = False
+        if borrowed:
+            self._segments = _PrivateSegments(shm_dir)
+        else:
+            # Owned copies map each segment once per process and keep it across loads (segments.py).
+            maps = segment_maps(shm_dir)
+            staged = device.type == "cuda" and _staged(pin_segments, maps.loads > 0)
+            # Populated for copies by numpy on this thread; the copier's threads fault the pages
+            # in themselves, in parallel, and a registration does too (map_segment).
+            self._segments = maps.load(populate=device.type != "cuda" and not copier.available())
         if device.type == "cuda":
             from .cuda import PinnedCopier
 
             self._copier = PinnedCopier(device)
+        self._stage = staged  # the staging ring is taken when the load starts (run)
 
     def run(self) -> Iterator[tuple[str, torch.Tensor]]:
         try:
+            if self._stage:
+                self._staging = delivery.Staging(self._copier)
             done = False
             while not done:
                 # Copies stay in flight across the request: batches whose copies completed are
@@ -119,7 +152,8 @@ class _Receiver:
                 pending = False
                 if self._copier is not None:
                     self._copier.poll()
-                    pending = self._copier.pending > 0
+                    # Staged batches are released once staged: pending copies hold no batch.
+                    pending = self._staging is None and self._copier.pending > 0
                 release, self._release[:] = list(self._release), []  # one list: callbacks append to it
                 reply = NextReply.from_wire(
                     self._client.call(self._next, {"release": release, "wait_s": 0.0 if pending else POLL_WAIT_S})
@@ -130,19 +164,19 @@ class _Receiver:
                 if not batches and pending:
                     self._copier.wait_one()
                     continue
-                if self._copier is not None:
+                if self._copier is not None and self._staging is None:
                     # Page-lock this reply's segments on the worker thread, in copy order: the next
                     # one is registered while the current one's copies run.
                     self._segments.prepare([b[0].segment for b in batches if b[0].segment is not None], self._device)
                 for batch in batches:
-                    if self._copier is not None:
+                    if self._staging is not None:
+                        yield from self._staged(batch)
+                    elif self._copier is not None:
                         yield from self._to_device(batch)
-                        continue
-                    for handle in batch:
-                        tensor = self._materialize(handle)
-                        yield handle.name, tensor
-                        del tensor
-                    self._finish(batch[-1])
+                    elif self._borrowed:
+                        yield from self._lent(batch)
+                    else:
+                        yield from self._copied(batch)
             self._client.call(self._leave, {})
         except (GeneratorExit, errors.BorrowedTensorError):
             # Abandoned (the caller closed the iterator, or kept a borrowed view against its
@@ -158,23 +192,44 @@ class _Receiver:
                 self._client.call(self._leave, {"error": f"{type(exc).__name__}: {exc}"[:4096]})
             raise
         finally:
-            if self._copier is not None:
-                self._copier.close()  # waits for copies in flight, unpins the segments
-            self._segments.close()
+            try:
+                if self._staging is not None:
+                    self._staging.close()  # waits for the copies out of the ring, gives it back
+            finally:
+                if self._copier is not None:
+                    self._copier.close()  # waits for copies in flight, unpins the segments
+                self._segments.close()
 
-    def _materialize(self, h: Handle) -> torch.Tensor:
-        if h.segment is None:
-            return _empty(h, self._device)
-        view = self._segments.view(h.segment, h.offset, h.nbytes)
-        if self._borrowed:
-            self._in_hand = self._leases.lend(h.name, view)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # private mapping: writable, nothing to warn about
-                return tensor_over(view, h.dtype, h.shape)
-        out = _empty(h, torch.device("cpu"))
-        if h.nbytes:
-            byte_view(out).numpy()[:] = view
-        return out
+    def _lent(self, batch: list[Handle]) -> Iterator[tuple[str, torch.Tensor]]:
+        for h in batch:
+            if h.segment is None:
+                tensor = _empty(h, self._device)
+            else:
+                view = self._segments.view(h.segment, h.offset, h.nbytes)
+                tensor, self._in_hand = delivery.lend(self._leases, h.name, view, h.dtype, h.shape)
+            yield h.name, tensor
+            del tensor
+        self._finish(batch[-1])
+
+    def _copied(self, batch: list[Handle]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The whole batch copied at once on the copier's threads, released, then yielded."""
+        items = [
+            (self._segments.view(h.segment, h.offset, h.nbytes) if h.segment is not None else _NO_BYTES, h.dtype, h.shape)
+            for h in batch
+        ]
+        tensors = delivery.copy_to_cpu(items, functools.partial(_cut_short, batch))
+        items.clear()
+        self._finish(batch[-1])
+        yield from _handed(batch, tensors)
+
+    def _staged(self, batch: list[Handle]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The batch's bytes staged to the device; the batch released once they are copied out."""
+        with_bytes = [h for h in batch if h.segment is not None]
+        items = [(self._segments.segment(h.segment).address + h.offset, h.dtype, h.shape) for h in with_bytes]
+        staged = iter(self._staging.copy(items, lambda i: _cut_short(with_bytes, i)))
+        tensors = [next(staged) if h.segment is not None else _empty(h, self._device) for h in batch]
+        self._finish(batch[-1])
+        yield from _handed(batch, tensors)
 
     def _to_device(self, batch: list[Handle]) -> Iterator[tuple[str, torch.Tensor]]:
         """Queue the batch's copies from pinned shared memory, fence them, release after they land."""
@@ -190,10 +245,7 @@ class _Receiver:
                 tensors.append(_empty(h, self._device))
                 continue
             view = self._segments.view(h.segment, h.offset, h.nbytes)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # read-only mapping: we only read it
-                host = torch.from_numpy(view)
-            tensors.append(copier.copy(host, h.dtype, h.shape))
+            tensors.append(delivery.to_device(copier, view, h.dtype, h.shape))
         fence = copier.fence()
         if head.segment is not None:
             # A dedicated segment stays mapped and pinned too: the daemon keeps it idle for a reload
@@ -216,6 +268,27 @@ class _Receiver:
         self._release.append(h.batch)
         if h.dedicated:
             self._segments.drop(h.segment)
+
+
+_NO_BYTES = np.empty(0, dtype=np.uint8)
+
+
+def _handed(batch: list[Handle], tensors: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield the batch's tensors, holding none of them here once it is yielded."""
+    tensors.reverse()
+    for h in batch:
+        tensor = tensors.pop()
+        yield h.name, tensor
+        del tensor
+
+
+def _cut_short(batch: list[Handle], i: int) -> DaemonError:
+    h = batch[i]
+    return DaemonError(
+        f"shared-memory segment {h.segment}: tensor {h.name!r} (bytes {h.offset}-{h.offset + h.nbytes}) was cut short "
+        "while this rank read it: the segment file was truncated or replaced",
+        key=h.name,
+    )
 
 
 def _by_batch(handles: Iterable[Handle]) -> Iterator[list[Handle]]:

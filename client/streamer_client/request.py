@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ConfigError
+from .settings import parse_argument
 
-__all__ = ["StreamRequest"]
+__all__ = ["StreamRequest", "target"]
 
 
 @dataclass(frozen=True)
@@ -32,10 +33,34 @@ class StreamRequest:
     cache_dir: Path | None = None  # in-process metadata cache; None: STREAMER_CACHE_DIR
 
     def __post_init__(self) -> None:
+        """The checks both modes share, before a daemon is asked or storage is read."""
         if not (0 <= self.rank < self.world_size):
             raise ConfigError(f"rank {self.rank} is outside world_size {self.world_size}")
+        target(self.device, self.borrowed)
+        if self.budget is not None:
+            parse_argument("shm_budget", self.budget, "budget")
+
+    def in_process_only(self) -> list[str]:
+        """The arguments given that only an in-process load uses (a daemon has its own)."""
+        return [name for name, value in (("budget", self.budget), ("cache_dir", self.cache_dir)) if value is not None]
 
     @property
     def session_key(self) -> str:
         """The daemon session this rank joins (needs the launch id resolved)."""
         return self.session or f"{self.launch_id}:{self.uri}"
+
+
+def target(device, borrowed: bool):
+    """The ``torch.device`` a load delivers to, checked: borrowed views are CPU memory (said
+    before whether the device exists), and the device must be usable here."""
+    import torch
+
+    from .devices import resolve_device
+
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise ConfigError(f"unusable device {device!r}: {exc}") from None
+    if borrowed and kind != "cpu":
+        raise ConfigError(f"borrowed views are CPU memory; device {device!r} needs a copy anyway")
+    return resolve_device(device)

@@ -129,12 +129,15 @@ class SegmentMaps:
         self._stale: list[MappedSegment] = []  # replaced while a load still used them
         self._worker: ThreadPoolExecutor | None = None
         self._janitor: threading.Thread | None = None
+        self.loads = 0  # loads begun through this shm dir by this process
 
     # ------------------------------------------------------------------ per load
 
     def load(self, *, populate: bool) -> Load:
         """A load's view of the segments; ``populate``: map for CPU copies (see :func:`map_segment`)."""
         self.sweep()
+        with self._lock:
+            self.loads += 1
         return Load(self, populate)
 
     def _use(self, name: str, populate: bool) -> MappedSegment:

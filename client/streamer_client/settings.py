@@ -138,6 +138,7 @@ class Settings:
     s3_target_gbps: int | None = Setting(None, optional(integer(ge=1, le=10_000)), "throughput target of each S3 client, Gbit/s (the AWS CRT: 10)")
     read_chunk_size: int | None = Setting(None, optional(byte_size(ge=5 * MiB, le=GiB)), "bytes one Run:ai read request asks for (Run:ai: 8 MiB)")
     local_reader: str = Setting("mapped", choice("mapped", "runai"), "how the daemon and CUDA loads read local files: mapped (native copier) or runai")
+    pin_segments: str = Setting("auto", choice("auto", "always", "never"), "a CUDA rank: page-lock the daemon's segments (always), stage them through a small pinned ring (never), or stage a process's first load and pin for its reloads (auto)")
     azure_storage_connection_string: Secret | None = Setting(None, optional(secret), _AZURE + "connection string", env="AZURE_STORAGE_CONNECTION_STRING")
     azure_storage_account_name: str | None = Setting(None, optional(text), _AZURE + "account name", env="AZURE_STORAGE_ACCOUNT_NAME")
     azure_storage_account_key: Secret | None = Setting(None, optional(secret), _AZURE + "shared key", env="AZURE_STORAGE_ACCOUNT_KEY")
@@ -284,6 +285,16 @@ def _read(environ: Mapping[str, str], overrides: Mapping[str, Any], arguments: M
     if problems:
         raise SettingsError("; ".join(problems))
     return values, frozenset(given)
+
+
+def parse_argument(name: str, value: Any, argument: str) -> Any:
+    """One setting passed as the argument ``argument`` (e.g. ``budget=``), parsed by its row;
+    :class:`SettingsError` ``invalid argument: budget='lots': ...`` when refused."""
+    row = _ROWS[name]
+    try:
+        return row.parse(value)
+    except ValueError as exc:
+        raise SettingsError(problem(row, value, str(exc), environ={}, arguments={name: argument}, passed=True)) from None
 
 
 def read_settings(overrides: Mapping[str, Any] | None = None, *, arguments: Mapping[str, str] | None = None) -> Settings:

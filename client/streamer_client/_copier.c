@@ -1,11 +1,14 @@
 /* A pool of native threads that copy byte ranges between addresses of this process.
  *
- * What it is for (streamer_service/copier.py): the embedded engine reads a checkpoint in a local
- * directory by mapping its files and copying each batch's ranges into a ring slot. The copies run
- * here, on threads that never touch the interpreter: one call queues a batch (split into chunks),
- * one call waits for it with the GIL released. Python threads doing the same copies contend for
- * the GIL between chunks (docs/benchmarks.md, "our own reader": 21.6-23.7 GB/s against 31 with
- * Run:ai's reader); here the interpreter is involved twice per batch.
+ * What it is for (streamer_client/copier.py, its Python side): bytes already in memory copied into
+ * buffers of ours. The embedded engine reads a checkpoint in a local directory by mapping its files
+ * and copying each batch's ranges into a ring slot (streamer_service/mapped.py); a rank copies a
+ * daemon segment's bytes into its CPU tensors or into its pinned staging buffers
+ * (streamer_client/delivery.py). The copies run here, on threads that never touch the
+ * interpreter: one call queues a batch (split into chunks), one call waits for it with the GIL
+ * released. Python threads doing the same copies contend for the GIL between chunks
+ * (docs/benchmarks.md, "our own reader": 21.6-23.7 GB/s against 31 with Run:ai's reader); here the
+ * interpreter is involved twice per batch.
  *
  * A source is a file mapping, and a file cut short under a mapping raises SIGBUS on the next
  * access past its new end. A worker copies each chunk under a guard: a SIGBUS on that thread
@@ -40,7 +43,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#define CAPSULE_NAME "streamer_service._copier.pool"
+#define CAPSULE_NAME "streamer_client._copier.pool"
 #define MAX_TICKETS 4096 /* batches queued and not yet waited for, per pool */
 
 typedef struct {
@@ -50,6 +53,8 @@ typedef struct {
     uint32_t ticket_slot;
     uint32_t copy_index; /* which copy of its batch this chunk belongs to */
 } chunk_t;
+
+#define MAX_QUEUED (SIZE_MAX / sizeof(chunk_t)) /* chunks one queue can hold: its bytes fit a size_t */
 
 typedef struct {
     int64_t ticket; /* -1: free */
@@ -70,13 +75,16 @@ typedef struct {
     int nthreads;
     pthread_t *threads;
     pid_t owner; /* a forked child has none of the threads: the pool is not its to use or stop */
+    int initialized; /* which of lock, work, done were initialized (bits 1, 2, 4) */
 } pool_t;
 
 /* ------------------------------------------------------------------ SIGBUS guard */
 
 /* volatile: memcpy is a builtin the compiler knows cannot read it, so without it the store before
- * the copy is dead to the compiler and goes. */
-static __thread sigjmp_buf *volatile guard;
+ * the copy is dead to the compiler and goes. initial-exec: the handler reads it, and a thread-local
+ * of a dlopen()ed module otherwise goes through __tls_get_addr, which may allocate on a thread's
+ * first access (not async-signal-safe). The workers touch it before their first copy. */
+static __thread sigjmp_buf *volatile guard __attribute__((tls_model("initial-exec")));
 static struct sigaction previous_bus;
 static pthread_once_t guard_once = PTHREAD_ONCE_INIT;
 static int guard_installed;
@@ -131,6 +139,7 @@ static void *worker(void *arg) {
     sigaddset(&mask, SIGTERM);
     sigaddset(&mask, SIGCHLD);
     pthread_sigmask(SIG_BLOCK, &mask, NULL);
+    guard = NULL; /* this thread's slot exists before any fault can need it */
     pthread_mutex_lock(&pool->lock);
     for (;;) {
         while (pool->count == 0 && !pool->stopping) {
@@ -157,13 +166,18 @@ static void *worker(void *arg) {
     return NULL;
 }
 
+/* 0, or -1 (no memory, or more chunks than memory could hold). With the lock held. */
 static int grow_queue(pool_t *pool, size_t more) {
-    if (pool->count + more <= pool->capacity) {
+    if (more > MAX_QUEUED - pool->count) {
+        return -1;
+    }
+    size_t needed = pool->count + more;
+    if (needed <= pool->capacity) {
         return 0;
     }
     size_t capacity = pool->capacity ? pool->capacity : 1024;
-    while (capacity < pool->count + more) {
-        capacity *= 2;
+    while (capacity < needed) {
+        capacity = capacity > MAX_QUEUED / 2 ? MAX_QUEUED : capacity * 2;
     }
     chunk_t *queue = malloc(capacity * sizeof *queue);
     if (queue == NULL) {
@@ -181,6 +195,9 @@ static int grow_queue(pool_t *pool, size_t more) {
 
 /* Finish every queued chunk, then join the workers. The GIL must not be held. */
 static void stop_pool(pool_t *pool) {
+    if ((pool->initialized & 7) != 7) { /* never started: no threads, maybe no lock */
+        return;
+    }
     pthread_mutex_lock(&pool->lock);
     int running = pool->threads != NULL && !pool->stopping;
     pool->stopping = 1;
@@ -195,12 +212,46 @@ static void stop_pool(pool_t *pool) {
 }
 
 static void free_pool(pool_t *pool) {
-    pthread_mutex_destroy(&pool->lock);
-    pthread_cond_destroy(&pool->work);
-    pthread_cond_destroy(&pool->done);
+    if (pool->initialized & 1) {
+        pthread_mutex_destroy(&pool->lock);
+    }
+    if (pool->initialized & 2) {
+        pthread_cond_destroy(&pool->work);
+    }
+    if (pool->initialized & 4) {
+        pthread_cond_destroy(&pool->done);
+    }
     free(pool->threads);
     free(pool->queue);
     free(pool);
+}
+
+/* The lock and the two conditions; `done` waits against CLOCK_MONOTONIC (a wall clock set back
+ * would stretch a wait's timeout). 0, or the first error. */
+static int init_sync(pool_t *pool) {
+    int err = pthread_mutex_init(&pool->lock, NULL);
+    if (err) {
+        return err;
+    }
+    pool->initialized |= 1;
+    if ((err = pthread_cond_init(&pool->work, NULL))) {
+        return err;
+    }
+    pool->initialized |= 2;
+    pthread_condattr_t attr;
+    if ((err = pthread_condattr_init(&attr))) {
+        return err;
+    }
+    err = pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+    if (!err) {
+        err = pthread_cond_init(&pool->done, &attr);
+    }
+    pthread_condattr_destroy(&attr);
+    if (err) {
+        return err;
+    }
+    pool->initialized |= 4;
+    return 0;
 }
 
 static void capsule_destructor(PyObject *capsule) {
@@ -224,9 +275,14 @@ static pool_t *get_pool(PyObject *capsule) {
         PyErr_SetString(PyExc_ValueError, "the copier pool was made by the parent of this forked process");
         return NULL;
     }
-    if (pool != NULL && pool->stopping) {
-        PyErr_SetString(PyExc_ValueError, "the copier pool is closed");
-        return NULL;
+    if (pool != NULL) {
+        pthread_mutex_lock(&pool->lock);
+        int stopping = pool->stopping;
+        pthread_mutex_unlock(&pool->lock);
+        if (stopping) {
+            PyErr_SetString(PyExc_ValueError, "the copier pool is closed");
+            return NULL;
+        }
     }
     return pool;
 }
@@ -253,9 +309,12 @@ static PyObject *py_pool(PyObject *self, PyObject *args) {
     if (pool == NULL) {
         return PyErr_NoMemory();
     }
-    pthread_mutex_init(&pool->lock, NULL);
-    pthread_cond_init(&pool->work, NULL);
-    pthread_cond_init(&pool->done, NULL);
+    int err = init_sync(pool);
+    if (err) {
+        free_pool(pool);
+        errno = err;
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
     for (int i = 0; i < MAX_TICKETS; i++) {
         pool->batches[i].ticket = -1;
     }
@@ -267,7 +326,7 @@ static PyObject *py_pool(PyObject *self, PyObject *args) {
         return PyErr_NoMemory();
     }
     for (int i = 0; i < nthreads; i++) {
-        int err = pthread_create(&pool->threads[i], NULL, worker, pool);
+        err = pthread_create(&pool->threads[i], NULL, worker, pool);
         if (err) {
             pool->nthreads = i;
             Py_BEGIN_ALLOW_THREADS
@@ -304,6 +363,8 @@ static int as_words(PyObject *object, const uint64_t **words, Py_ssize_t *count,
     return 0;
 }
 
+static uint64_t left_of(uint64_t left, size_t chunk_bytes) { return left < chunk_bytes ? left : chunk_bytes; }
+
 static PyObject *py_submit(PyObject *self, PyObject *args) {
     PyObject *capsule, *dsts_obj, *srcs_obj, *sizes_obj;
     if (!PyArg_ParseTuple(args, "OSSS", &capsule, &dsts_obj, &srcs_obj, &sizes_obj)) {
@@ -325,7 +386,17 @@ static PyObject *py_submit(PyObject *self, PyObject *args) {
     }
     size_t chunks = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        chunks += sizes[i] ? (sizes[i] + pool->chunk_bytes - 1) / pool->chunk_bytes : 0;
+        if (sizes[i] > SIZE_MAX || dsts[i] > UINTPTR_MAX - sizes[i] || srcs[i] > UINTPTR_MAX - sizes[i]) {
+            PyErr_Format(PyExc_ValueError, "copier: copy %zd (%llu bytes) runs past the end of the address space", i,
+                         (unsigned long long)sizes[i]);
+            return NULL;
+        }
+        size_t more = (size_t)(sizes[i] / pool->chunk_bytes + (sizes[i] % pool->chunk_bytes != 0));
+        if (more > MAX_QUEUED - chunks) {
+            PyErr_Format(PyExc_ValueError, "copier: a batch of more than %zu chunks", (size_t)MAX_QUEUED);
+            return NULL;
+        }
+        chunks += more;
     }
     pthread_mutex_lock(&pool->lock);
     int64_t ticket = pool->next_ticket;
@@ -345,7 +416,7 @@ static PyObject *py_submit(PyObject *self, PyObject *args) {
     batch->remaining = chunks;
     batch->failed = -1;
     for (Py_ssize_t i = 0; i < n; i++) {
-        for (uint64_t done = 0; done < sizes[i]; done += pool->chunk_bytes) {
+        for (uint64_t done = 0; done < sizes[i]; done += left_of(sizes[i] - done, pool->chunk_bytes)) {
             uint64_t left = sizes[i] - done;
             chunk_t *chunk = &pool->queue[(pool->head + pool->count) % pool->capacity];
             chunk->dst = (char *)(uintptr_t)(dsts[i] + done);
@@ -370,17 +441,24 @@ static PyObject *py_wait(PyObject *self, PyObject *args) {
     if (!PyArg_ParseTuple(args, "OLi", &capsule, &ticket, &timeout_ms)) {
         return NULL;
     }
+    if (timeout_ms < 0) {
+        PyErr_Format(PyExc_ValueError, "copier: a wait's timeout is at least 0 ms, got %d", timeout_ms);
+        return NULL;
+    }
     pool_t *pool = get_pool(capsule);
     if (pool == NULL) {
         return NULL;
     }
-    uint32_t slot = (uint32_t)(ticket % MAX_TICKETS);
-    if (ticket < 0 || pool->batches[slot].ticket != ticket) {
+    uint32_t slot = (uint32_t)((ticket < 0 ? 0 : ticket) % MAX_TICKETS);
+    pthread_mutex_lock(&pool->lock);
+    int queued = ticket >= 0 && pool->batches[slot].ticket == ticket;
+    pthread_mutex_unlock(&pool->lock);
+    if (!queued) { /* a ticket is waited for by one thread: nobody else can free it meanwhile */
         PyErr_Format(PyExc_ValueError, "copier: no batch %lld is queued", ticket);
         return NULL;
     }
     struct timespec deadline;
-    clock_gettime(CLOCK_REALTIME, &deadline);
+    clock_gettime(CLOCK_MONOTONIC, &deadline);
     deadline.tv_sec += timeout_ms / 1000;
     deadline.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
     if (deadline.tv_nsec >= 1000000000L) {
@@ -466,7 +544,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_copier", "Native threads that copy byte ranges (see copier.py).", -1, methods,
+    PyModuleDef_HEAD_INIT, "_copier", "Native threads that copy byte ranges (streamer_client/copier.py).", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__copier(void) { return PyModule_Create(&module); }

@@ -1,0 +1,98 @@
+"""The process's native copier: threads that copy byte ranges between addresses (``_copier.c``).
+
+Used wherever bytes already in memory (a mapped file, a mapped daemon segment) go into a buffer
+of ours: the embedded engine's mapped reader of local files (``streamer_service.mapped``), and
+:mod:`streamer_client.delivery` (a rank's CPU tensors, and the pinned staging of its device
+copies). One pool per process, made on first use; a forked child makes its own.
+
+The interpreter is involved twice per batch: :func:`submit` queues every range (split into
+chunks of :data:`CHUNK_BYTES`) with one call, :func:`wait` waits for them with the GIL released.
+A source that is a file mapping and was cut short under it raises SIGBUS in a copying thread:
+the copier catches it, and :func:`wait` answers the index of the first copy that hit it (the
+caller names the file or segment and the range).
+
+Optional: the extension is built by ``pip install`` where a C compiler is present. Without it
+:func:`available` is false and callers copy another way (numpy, or Run:ai's reader).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from array import array
+from collections.abc import Sequence
+from typing import Any
+
+try:
+    from . import _copier
+except ImportError:  # built without a C compiler
+    _copier = None
+
+__all__ = ["CHUNK_BYTES", "COPY_THREADS", "available", "copy", "map_file", "pool", "submit", "unmap", "wait"]
+
+COPY_THREADS = min(12, len(os.sched_getaffinity(0)))
+"""Copying threads of the process's pool: enough to saturate host-to-device copies on a 16-CPU
+host while leaving CPUs for the loading thread and the DMA completions (docs/benchmarks.md)."""
+CHUNK_BYTES = 2 * 1024 * 1024  # 1 MiB: the same within noise; 4 MiB: slower
+POLL_MS = 500  # waits return to the interpreter this often, so Ctrl-C is handled
+
+_POOL: Any = None
+_LOCK = threading.Lock()
+
+
+def available() -> bool:
+    """Whether the native copier was built."""
+    return _copier is not None
+
+
+def pool() -> Any:
+    """The process's pool of copying threads (made on first use)."""
+    global _POOL
+    with _LOCK:
+        if _POOL is None:
+            _POOL = _copier.pool(COPY_THREADS, CHUNK_BYTES)
+        return _POOL
+
+
+def _forget_after_fork() -> None:
+    # A forked child has none of the parent's copying threads: it makes its own pool on first
+    # use (the parent's refuses to be used or stopped there, _copier.c).
+    global _POOL, _LOCK
+    _POOL = None
+    _LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def submit(dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int]) -> int:
+    """Queue one batch of copies (``sizes[i]`` bytes from ``srcs[i]`` to ``dsts[i]``); its ticket.
+
+    The caller keeps every source and destination alive until :func:`wait` answered."""
+    return _copier.submit(pool(), _words(dsts), _words(srcs), _words(sizes))
+
+
+def wait(ticket: int) -> int:
+    """Wait for a batch: -1, or the index of its first copy that hit SIGBUS (a file cut short)."""
+    while (failed := _copier.wait(pool(), ticket, POLL_MS)) is None:
+        pass  # back in the interpreter between waits, so that Ctrl-C is handled
+    return failed
+
+
+def copy(dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int]) -> int:
+    """:func:`submit` and :func:`wait`: -1, or the index of the first copy that hit SIGBUS."""
+    return wait(submit(dsts, srcs, sizes))
+
+
+def map_file(fd: int, nbytes: int) -> int:
+    """The address of a read-only shared mapping of ``nbytes`` of the file ``fd`` (which may be
+    closed afterwards: unlike Python's mmap, no duplicate descriptor is kept per mapping)."""
+    return _copier.map(fd, nbytes)
+
+
+def unmap(address: int, nbytes: int) -> None:
+    _copier.unmap(address, nbytes)
+
+
+def _words(values: Sequence[int]) -> bytes:
+    return values.tobytes() if isinstance(values, array) else array("Q", values).tobytes()

@@ -1,0 +1,240 @@
+"""Host bytes -> tensors: how both modes turn bytes in host memory into the tensors they yield.
+
+The embedded engine (``streamer_service.engine``) has its bytes in ring slots it read into; the
+daemon client (:mod:`streamer_client.daemon`) has them in the daemon's mapped segments. Either
+way a tensor is delivered in one of these ways, each written once here:
+
+- :func:`over`: a tensor over memory that is never reused (a buffer handed to the caller);
+- :func:`lend`: a borrowed view of a reusable buffer, recorded in its :class:`Leases`;
+- :func:`copy_to_cpu`: owned CPU tensors, the bytes copied by the native copier's threads
+  (:mod:`streamer_client.copier`; numpy where it is not built), a batch at a time;
+- :func:`to_device`: a device tensor copied from page-locked memory on the copier's stream
+  (:class:`streamer_client.cuda.PinnedCopier`: fence, release after completion);
+- :class:`Staging`: device tensors from memory that is *not* page-locked (a segment read once):
+  the native copier's threads copy it, a window at a time, into a small ring of page-locked
+  buffers registered once per process, and each window's host-to-device copies run on the
+  copier's stream while the next window is filled. Nothing proportional to the checkpoint is
+  page-locked.
+
+A source cut short under its mapping (a segment or file truncated while it is read) raises SIGBUS
+in a copying thread; the copier catches it and the caller's ``fault(i)`` names the tensor.
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from . import copier
+from .dtypes import byte_view, tensor_over, torch_dtype
+from .leases import Leases
+
+if TYPE_CHECKING:
+    from .cuda import HostPinner, PinnedCopier
+
+__all__ = [
+    "STAGING_SLOTS", "STAGING_SLOT_BYTES", "Staging", "copy_to_cpu", "empty", "lend", "over", "staging_pinned", "to_device",
+]  # fmt: skip
+
+STAGING_SLOT_BYTES = 32 * 1024 * 1024
+STAGING_SLOTS = 3
+"""The staging ring: 3 x 32 MiB page-locked, InstantTensor's choice (one window filling, one or two
+copying to the device); registering it costs ~5 ms on 4 KiB pages, once per process."""
+
+_NATIVE_MIN_BYTES = 256 * 1024  # below this a batch is copied by numpy: no thread hand-off
+
+
+def over(view: np.ndarray, dtype: str, shape: Sequence[int]) -> torch.Tensor:
+    """A tensor over ``view`` itself (it keeps the memory alive): for buffers never reused."""
+    return tensor_over(view, dtype, shape)
+
+
+def lend(leases: Leases, name: str, view: np.ndarray, dtype: str, shape: Sequence[int]) -> tuple[torch.Tensor, weakref.ref]:
+    """A borrowed tensor over ``view``, recorded in ``leases``; with its lease (the item in hand)."""
+    in_hand = leases.lend(name, view)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a read-only or private mapping: nothing to warn about
+        return tensor_over(view, dtype, shape), in_hand
+
+
+def empty(dtype: str, shape: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.empty(tuple(shape), dtype=torch_dtype(dtype), device=device)
+
+
+def copy_to_cpu(
+    items: Sequence[tuple[np.ndarray, str, Sequence[int]]], fault: Callable[[int], BaseException]
+) -> list[torch.Tensor]:
+    """Owned CPU tensors with the bytes of ``items`` (``(uint8 view, dtype, shape)``), copied
+    on the native copier's threads; ``fault(i)``: the error of item ``i`` whose source hit SIGBUS."""
+    outs = [empty(dtype, shape, torch.device("cpu")) for _, dtype, shape in items]
+    copies = [(byte_view(out), view) for out, (view, _, _) in zip(outs, items) if view.nbytes]
+    if copier.available() and sum(view.nbytes for _, view in copies) >= _NATIVE_MIN_BYTES:
+        index = [i for i, (view, _, _) in enumerate(items) if view.nbytes]
+        failed = copier.copy(
+            [dst.data_ptr() for dst, _ in copies], [view.ctypes.data for _, view in copies], [v.nbytes for _, v in copies]
+        )
+        if failed >= 0:
+            raise fault(index[failed])
+    else:
+        for dst, view in copies:
+            dst.numpy()[:] = view
+    return outs
+
+
+def to_device(pinned: PinnedCopier, view: np.ndarray, dtype: str, shape: Sequence[int]) -> torch.Tensor:
+    """A device tensor with ``view`` 's bytes, queued on ``pinned`` 's stream (see its ``copy``)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a read-only mapping: it is only read
+        host = torch.from_numpy(view)
+    return pinned.copy(host, dtype, shape)
+
+
+# --------------------------------------------------------------------------- staging
+
+
+class _StagingRing:
+    """Page-locked staging buffers: the process's one ring (made and registered on first use,
+    kept), or a load's own while another load of the process holds that one."""
+
+    def __init__(self, slots: int, slot_bytes: int) -> None:
+        self.slot_bytes = slot_bytes
+        self._count = slots
+        self._lock = threading.Lock()
+        self._busy = False
+        self._slots: list[np.ndarray] | None = None
+        self._pinner: HostPinner | None = None
+        self.pinned = False
+
+    def claim(self) -> bool:
+        with self._lock:
+            if self._busy:
+                return False
+            self._busy = True
+            return True
+
+    def slots(self, device: torch.device) -> list[np.ndarray]:
+        if self._slots is None:
+            from .cuda import HostPinner
+
+            buffers = [np.frombuffer(mmap.mmap(-1, self.slot_bytes), dtype=np.uint8) for _ in range(self._count)]
+            self._pinner = HostPinner()
+            with torch.cuda.device(device):
+                self.pinned = all(self._pinner.pin(b.ctypes.data, b.nbytes) for b in buffers)
+            self._slots = buffers
+        return list(self._slots)
+
+    def give_back(self) -> None:
+        with self._lock:
+            self._busy = False
+
+    def release(self) -> None:
+        """Unpin (a load's own ring, at its end); the memory goes with the last view."""
+        if self._pinner is not None:
+            self._pinner.close()
+        self._slots = None
+
+
+_RING = _StagingRing(STAGING_SLOTS, STAGING_SLOT_BYTES)
+
+
+def staging_pinned() -> bool:
+    """Whether the process's staging ring is page-locked (false before first use, or where
+    registering failed: its copies are then pageable, with the copier's one warning)."""
+    return _RING.pinned
+
+
+class Staging:
+    """One load's device copies through the process's staging ring (see the module docstring).
+
+    Not thread-safe: the thread that drives ``pinned`` (a :class:`PinnedCopier`) drives this.
+    :meth:`close` gives the ring back after every copy out of it has completed.
+    """
+
+    def __init__(self, pinned: PinnedCopier) -> None:
+        self._pinned = pinned
+        self._own = not _RING.claim()  # another load of this process holds the ring: one of its own
+        self._ring = _StagingRing(STAGING_SLOTS, STAGING_SLOT_BYTES) if self._own else _RING
+        try:
+            self._free = self._ring.slots(pinned.device)
+        except BaseException:
+            self._finish()
+            raise
+        self._closed = False
+
+    def copy(
+        self, items: Sequence[tuple[int, str, Sequence[int]]], fault: Callable[[int], BaseException]
+    ) -> list[torch.Tensor]:
+        """Device tensors of ``items`` (``(source address, dtype, shape)``), their bytes staged.
+
+        Returns once every byte was copied out of the sources (they may be reused from now on);
+        the tensors may be used on the current stream (fenced), their copies may still run.
+        """
+        outs = [self._pinned.empty(torch_dtype(dtype), shape) for _, dtype, shape in items]
+        window: list[tuple[int, int, int, int]] = []  # (item, source address, nbytes, offset in the tensor)
+        filled = 0
+        for i, ((address, _, _), out) in enumerate(zip(items, outs)):
+            nbytes, done = out.numel() * out.element_size(), 0
+            while done < nbytes:
+                n = min(nbytes - done, self._ring.slot_bytes - filled)
+                window.append((i, address + done, n, done))
+                filled += n
+                done += n
+                if filled == self._ring.slot_bytes:
+                    self._send(window, outs, fault)
+                    window, filled = [], 0
+        if window:
+            self._send(window, outs, fault)
+        return outs
+
+    def _send(self, window: list[tuple[int, int, int, int]], outs: list[torch.Tensor], fault) -> None:
+        pinned = self._pinned
+        while not self._free:
+            pinned.wait_one()  # the oldest window's copies completed: its slot is free again
+        slot = self._free.pop()
+        offsets, at = [], 0
+        for _, _, n, _ in window:
+            offsets.append(at)
+            at += n
+        base = slot.ctypes.data
+        if copier.available():
+            failed = copier.copy([base + o for o in offsets], [src for _, src, _, _ in window], [n for _, _, n, _ in window])
+        else:
+            failed = -1
+            for o, (_, src, n, _) in zip(offsets, window):
+                _memmove(base + o, src, n)
+        if failed >= 0:
+            self._free.append(slot)
+            raise fault(window[failed][0])
+        host = torch.from_numpy(slot)
+        for o, (i, _, n, start) in zip(offsets, window):
+            pinned.copy_into(host[o : o + n], outs[i], start)
+        pinned.release_after(lambda: self._free.append(slot), pinned.fence())
+
+    def close(self) -> None:
+        """Wait for every copy out of the ring, then give the ring back. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._pinned.drain()
+        finally:
+            self._finish()
+
+    def _finish(self) -> None:
+        if self._own:
+            self._ring.release()
+        else:
+            self._ring.give_back()
+
+
+def _memmove(dst: int, src: int, nbytes: int) -> None:
+    import ctypes
+
+    ctypes.memmove(dst, src, nbytes)

@@ -1,0 +1,103 @@
+"""The native copier (streamer_client.copier, _copier.c): bad batches refused, files cut short
+answered, the SIGBUS handler safe to run on any copying thread.
+
+Cases that could crash the interpreter run in a child process, so a regression fails one test.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from streamer_client import copier
+
+pytestmark = pytest.mark.skipif(not copier.available(), reason="the native copier is not built")
+
+
+def _child(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_copies_are_byte_exact_across_chunks_and_ranges():
+    rng = np.random.default_rng(0)
+    src = rng.integers(0, 256, 5 * copier.CHUNK_BYTES + 12345, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    pieces = [(0, 1), (1, copier.CHUNK_BYTES + 7), (copier.CHUNK_BYTES + 8, src.nbytes - copier.CHUNK_BYTES - 8)]
+    failed = copier.copy(
+        [dst.ctypes.data + o for o, _ in pieces], [src.ctypes.data + o for o, _ in pieces], [n for _, n in pieces]
+    )
+    assert failed == -1
+    assert np.array_equal(dst, src)
+
+
+def test_a_copy_past_the_end_of_the_address_space_is_refused_not_a_crash():
+    # A size near 2**64: its chunk count and the end of its range wrap around.
+    result = _child(
+        """
+        import numpy as np
+        from streamer_client import copier
+        buf = np.zeros(4096, dtype=np.uint8)
+        for srcs, sizes in (([buf.ctypes.data] * 2, [16, 2**64 - 1]), ([2**64 - 8], [16])):
+            try:
+                copier.submit([buf.ctypes.data] * len(sizes), srcs, sizes)
+            except ValueError as exc:
+                print("refused:", exc)
+        """
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "refused: copier: copy 1 (18446744073709551615 bytes) runs past the end of the address space",
+        "refused: copier: copy 0 (16 bytes) runs past the end of the address space",  # its source wraps
+    ]
+
+
+def test_a_negative_wait_timeout_is_refused():
+    buf = np.zeros(4096, dtype=np.uint8)
+    ticket = copier.submit([buf.ctypes.data], [buf.ctypes.data + 2048], [1024])
+    with pytest.raises(ValueError, match="a wait's timeout is at least 0 ms, got -1"):
+        copier._copier.wait(copier.pool(), ticket, -1)
+    assert copier.wait(ticket) == -1
+    with pytest.raises(ValueError, match=f"no batch {ticket} is queued"):  # answered once, then gone
+        copier._copier.wait(copier.pool(), ticket, 0)
+
+
+def test_a_file_cut_short_under_its_mapping_is_the_failed_copy_s_index(tmp_path):
+    path = tmp_path / "shard"
+    data = np.random.default_rng(1).integers(0, 256, 3 * copier.CHUNK_BYTES, dtype=np.uint8)
+    path.write_bytes(data.tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = copier.map_file(fd, data.nbytes)
+    finally:
+        os.close(fd)
+    try:
+        os.truncate(path, copier.CHUNK_BYTES)  # the mapping's last two chunks are past the end now
+        dst = np.zeros_like(data)
+        head = copier.CHUNK_BYTES // 2
+        failed = copier.copy(
+            [dst.ctypes.data, dst.ctypes.data + head], [address, address + head], [head, data.nbytes - head]
+        )
+        assert failed == 1  # the second copy ran into the cut; the process lives
+        assert np.array_equal(dst[:head], data[:head])
+    finally:
+        copier.unmap(address, data.nbytes)
+
+
+@pytest.mark.skipif(shutil.which("nm") is None, reason="needs nm (binutils)")
+def test_the_signal_handler_s_thread_local_needs_no_dynamic_tls_lookup():
+    # A SIGBUS handler that reaches its thread-local through __tls_get_addr may allocate on a
+    # thread's first access: not async-signal-safe. Initial-exec TLS is a fixed offset.
+    import streamer_client._copier as module
+
+    symbols = subprocess.run(
+        ["nm", "-D", "--undefined-only", module.__file__], capture_output=True, text=True, check=True
+    ).stdout
+    assert "__tls_get_addr" not in symbols

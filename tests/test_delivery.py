@@ -1,0 +1,139 @@
+"""Host bytes -> tensors (streamer_client.delivery), and the request checks both modes share.
+
+Through a real daemon where the mode matters; ground truth is safetensors. The CUDA paths
+(staged and pinned segments) are checked where a GPU is present (tests/test_cuda_daemon.py has
+the rest of the device cases).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import streamer_client
+from streamer_client import copier, delivery
+from streamer_client.errors import ConfigError, DaemonError, SettingsError
+
+from checkpoints import ground_truth, tensor_bytes
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def _assert_equal(got: dict[str, torch.Tensor], truth: dict[str, torch.Tensor]) -> None:
+    assert got.keys() == truth.keys()
+    for name, tensor in truth.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+        assert tensor_bytes(got[name].cpu()) == tensor_bytes(tensor), name
+
+
+def test_borrowed_cuda_tensors_through_a_daemon_are_the_documented_config_error(sample, daemon):
+    d = daemon()
+    with pytest.raises(ConfigError, match=r"^borrowed views are CPU memory; device 'cuda:0' needs a copy anyway$"):
+        streamer_client.stream(sample, device="cuda:0", borrowed=True, socket=d.socket)
+    assert d.stats()["finished"] == []  # refused before any session was joined
+    assert d.healthy()
+
+
+def test_borrowed_cuda_tensors_in_process_are_the_same_error(sample, monkeypatch):
+    monkeypatch.setenv("STREAMER_SOCKET", str(sample / "no-daemon.sock"))
+    with pytest.raises(ConfigError, match=r"^borrowed views are CPU memory; device 'cuda:0' needs a copy anyway$"):
+        streamer_client.stream(sample, device="cuda:0", borrowed=True)
+
+
+def test_a_bad_budget_through_a_daemon_is_refused_before_the_load(sample, daemon):
+    d = daemon()
+    with pytest.raises(SettingsError, match=r"^invalid argument: budget='lots': "):
+        streamer_client.stream(sample, socket=d.socket, budget="lots")
+    assert d.stats()["finished"] == []
+
+
+def test_a_budget_through_a_daemon_says_the_daemon_s_budget_applies(sample, daemon):
+    d = daemon({"STREAMER_SLOT_SIZE": "1MiB"}, "--shm-budget", "4MiB")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = streamer_client.load_state_dict(sample, socket=d.socket, budget="256KiB")
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert said == [
+        f"budget= applies to in-process loads only; the daemon at {d.socket} loads with its own "
+        "(serve --shm-budget, --cache-dir)"
+    ]
+    _assert_equal(got, ground_truth(sample))
+
+
+CPU_LOAD = """
+import json, sys
+import streamer_client
+from streamer_client import copier
+state = streamer_client.load_state_dict(sys.argv[1])
+print(json.dumps({"pool": copier._POOL is not None, "n": len(state)}))
+"""
+
+
+def test_owned_cpu_tensors_from_a_daemon_are_copied_by_the_copier_threads(sample, daemon, tmp_path):
+    d = daemon({"STREAMER_SLOT_SIZE": "2MiB"}, "--shm-budget", "8MiB")
+    result = subprocess.run(
+        [sys.executable, "-c", CPU_LOAD, str(sample)], env=d.rank_env(), capture_output=True, text=True, timeout=180
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    reply = json.loads(result.stdout.splitlines()[-1])
+    assert reply == {"pool": copier.available(), "n": len(ground_truth(sample))}
+    # Byte-exact, in this process too (the same path).
+    _assert_equal(streamer_client.load_state_dict(sample, socket=d.socket), ground_truth(sample))
+
+
+@pytest.mark.skipif(not copier.available(), reason="the native copier is not built")
+def test_a_source_cut_short_under_a_cpu_copy_is_the_callers_error_not_a_crash(tmp_path):
+    import mmap
+
+    path = tmp_path / "segment"
+    size = 4 * copier.CHUNK_BYTES
+    data = np.random.default_rng(2).integers(0, 256, size, dtype=np.uint8)
+    path.write_bytes(data.tobytes())
+    with open(path, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
+    array = np.frombuffer(mapping, dtype=np.uint8)
+    os.truncate(path, copier.CHUNK_BYTES)
+    head = copier.CHUNK_BYTES // 2
+    items = [(array[:head], "U8", (head,)), (array[head:], "U8", (size - head,))]
+    with pytest.raises(DaemonError, match=r"^item 1 was cut short$"):
+        delivery.copy_to_cpu(items, lambda i: DaemonError(f"item {i} was cut short"))
+    got = delivery.copy_to_cpu(items[:1], lambda i: DaemonError(f"item {i} was cut short"))
+    assert got[0].numpy().tobytes() == data[:head].tobytes()
+
+
+def test_small_and_empty_cpu_copies_are_byte_exact():
+    data = np.arange(1000, dtype=np.uint8)
+    items = [(data[:0], "F32", (0, 3)), (data[:8], "F32", (2,)), (data[8:1000], "U8", (992,))]
+    got = delivery.copy_to_cpu(items, lambda i: AssertionError(i))
+    assert [t.shape for t in got] == [(0, 3), (2,), (992,)]
+    assert got[1].numpy().tobytes() == data[:8].tobytes() and got[2].numpy().tobytes() == data[8:].tobytes()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("pin", ["never", "always", "auto"])
+def test_cuda_loads_through_a_daemon_are_byte_exact_staged_or_pinned(sample, daemon, monkeypatch, pin):
+    from streamer_client.cuda import registered_ranges
+    from streamer_client.segments import segment_maps
+
+    d = daemon({"STREAMER_SLOT_SIZE": "1MiB"}, "--shm-budget", "4MiB")
+    monkeypatch.setenv("STREAMER_PIN_SEGMENTS", pin)
+    before = set(registered_ranges())
+    got = streamer_client.load_state_dict(sample, socket=d.socket, device="cuda:0")
+    torch.cuda.synchronize()
+    _assert_equal(got, ground_truth(sample))
+    segments = set(segment_maps(d.shm_dir).mapped().values())
+    pinned_segments = segments & set(registered_ranges())
+    if pin == "always":
+        assert pinned_segments  # page-locked, kept for the next load of this process
+    else:  # staged (auto: this process's first load of these segments)
+        assert segments and not pinned_segments and delivery.staging_pinned()
+    segment_maps(d.shm_dir).close()
+    assert set(registered_ranges()) - before <= {b.ctypes.data for b in delivery._RING._slots or []}
