@@ -220,7 +220,7 @@ def create_app(settings: Settings) -> FastAPI:
         d = daemon(request)
         pages = d.store.pages
         held = d.budget.in_use + d.resident.stats().resident_bytes
-        room = shm_room(d.store.shm_dir, pages, budget=d.budget.limit, slot=d.slot_size, held=held)
+        room = shm_room(d.store.shm_dir, pages, budget=d.budget.limit, slot=d.slot_size, in_flight=d.in_flight, held=held)
         reasons = [r for r in (
             "the daemon is stopping" if d.stopping else None,
             d.reaper_stopped or (None if d.reaper_alive() else "the reaper thread is not running"),

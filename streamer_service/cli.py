@@ -28,7 +28,7 @@ def _settings(args: argparse.Namespace) -> Settings:
     """The environment's settings with this command's flags on top, validated alike."""
     update = {}
     for field in ("cache_dir", "shm_dir", "socket", "shm_budget", "retention_budget", "allow", "tcp_port", "group_access",
-                  "metrics_port", "metrics_host"):  # fmt: skip
+                  "metrics_port", "metrics_host", "target_gbps"):  # fmt: skip
         value = getattr(args, field, None)
         if value not in (None, [], False):
             update[field] = value
@@ -163,6 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--retention-budget", help="shared memory kept for reloads after a load, e.g. 64GiB (STREAMER_RETENTION_BUDGET; default 0: off)"
     )
+    serve.add_argument("--target-gbps", type=int, metavar="GBITS",
+                       help="the node NIC's rate: Run:ai's read parallelism and the bytes in flight (STREAMER_TARGET_GBPS; default 100)")
     serve.add_argument("--allow", action="append", default=[], metavar="PREFIX", help="URI prefix the daemon may read (repeatable; STREAMER_ALLOW, commas or spaces between prefixes); "
                        "required with --group-access or --tcp-port")
     serve.add_argument("--group-access", action="store_true", help="socket 0660 and segments 0640 (STREAMER_GROUP_ACCESS)")

@@ -26,9 +26,9 @@ from .resident import ResidentStore
 from .runai import check_credentials, storage_environment
 from .ledger import UNFINISHED, RankStatus
 from .session import Session, SessionState
-from .session_buffers import MAX_RING_SLOTS
-from .settings import Settings, daemon_slot_size
+from .settings import Settings
 from .shm import SegmentPool, SegmentStore, ShmBudget, small_pages_advice
+from .sizing import first_ring_slots, in_flight_bytes, slot_bytes
 from .stats import DaemonStats, SessionSummary
 from .uri import StorageURI
 from .versions import ObjectVersions
@@ -82,8 +82,9 @@ class Daemon:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.budget = ShmBudget(int(settings.shm_budget))
-        # At least four slots fit the budget, so loading, delivery and release overlap.
-        self.slot_size = daemon_slot_size(settings)
+        # At least four slots fit the budget, so loading, delivery and release overlap (``sizing``).
+        self.slot_size = slot_bytes(int(settings.shm_budget), int(settings.slot_size))
+        self.in_flight = in_flight_bytes(settings.target_gbps, self.slot_size, int(settings.shm_budget))
         self.sessions: dict[str, Session] = {}  # by key, while joining or streaming
         # Ranks of recently ended sessions that did not receive everything, by key: their rejoin is
         # served on its own instead of waiting for a whole new group.
@@ -114,7 +115,7 @@ class Daemon:
         if self.settings.segment_prepare and self.settings.segment_idle_s > 0 and not self.resident.enabled:
             # The first load's ring, made now: a fresh daemon's first load otherwise pays the
             # zero-fill and mapping of every segment on its own thread (docs/deploy.md).
-            self.pool.start_preparing(self.slot_size, min(self.budget.limit // self.slot_size, MAX_RING_SLOTS))
+            self.pool.start_preparing(self.slot_size, first_ring_slots(self.budget.limit, self.slot_size, self.in_flight))
         if self.allow.any:
             log.warning("no --allow prefixes: this daemon will read any URI its credentials reach")
         self._reaper = threading.Thread(target=self._reap_supervised, name="reaper", daemon=True)
@@ -122,8 +123,9 @@ class Daemon:
         threading.Thread(target=_preload_native_reader, name="runai-preload", daemon=True).start()
         pages = self.store.pages
         log.info(
-            "daemon ready: shm %s (budget %d bytes, slots of %d, %d KiB pages: %s), cache %s",
-            self.store.shm_dir, self.budget.limit, self.slot_size, pages.size // 1024, pages.source, self.settings.cache_dir,
+            "daemon ready: shm %s (budget %d bytes, slots of %d, at most %d bytes in flight for %d Gbit/s, %d KiB pages: %s), cache %s",
+            self.store.shm_dir, self.budget.limit, self.slot_size, self.in_flight, self.settings.target_gbps,
+            pages.size // 1024, pages.source, self.settings.cache_dir,
         )  # fmt: skip
         if not pages.huge:
             log.warning("%s", small_pages_advice(self.store.shm_dir, pages))
@@ -329,6 +331,7 @@ class Daemon:
             checkpoint,
             world_size,
             slot_size=self.slot_size,
+            in_flight=self.in_flight,
             pool=self.pool,
             join_timeout_s=self.settings.join_timeout_s,
             on_end=self._ended,

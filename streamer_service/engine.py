@@ -91,6 +91,7 @@ from .pipeline import Load, LoadStats, Pipeline
 from .ring import Ring
 from .runai import BUFFERED_FS_STRATEGY, NativeReader, storage_environment
 from .settings import Settings
+from .sizing import in_flight_bytes, ring_slots, slot_bytes
 from .uri import StorageURI
 from .versions import ObjectVersions
 
@@ -114,6 +115,7 @@ class EngineConfig:
     fs_strategy: str | None = BUFFERED_FS_STRATEGY
     storage_environment: tuple[tuple[str, str], ...] = ()  # Run:ai's retry/timeout variables
     local_reader: str = "mapped"  # Settings.local_reader: how local files are read (mapped.reader_for)
+    in_flight: int | None = None  # bytes submitted to storage and not yet landed, at most (sizing.in_flight_bytes)
 
     def __post_init__(self) -> None:
         if not isinstance(self.budget, int) or self.budget <= 0:
@@ -131,11 +133,14 @@ class EngineConfig:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> EngineConfig:
-        """The settings' budget and slot size; a slot larger than the budget shrinks to it."""
+        """The settings' budget and slot size (shrunk as ``sizing.slot_bytes`` says), and the bytes in
+        flight for the NIC rate."""
         budget = int(settings.shm_budget)
+        slot = slot_bytes(budget, int(settings.slot_size))
         return cls(
             budget=budget,
-            slot_size=min(int(settings.slot_size), budget),
+            slot_size=slot,
+            in_flight=in_flight_bytes(settings.target_gbps, slot, budget),
             storage_environment=tuple(storage_environment(settings).items()),
             local_reader=settings.local_reader,
         )
@@ -238,7 +243,7 @@ class EmbeddedEngine:
         verify = self._versions.check if self._versions is not None else None
         pool = (self._pool or pinned_pool()) if device.type == "cuda" else None
         plan, ring = self._ring_for(plan, pool)
-        stream = _Stream(self.uri, plan, ring, self.stats, device, borrowed, verify)
+        stream = _Stream(self.uri, plan, ring, self.stats, device, borrowed, verify, self.config.in_flight)
         try:
             with self._open_reader(device) as reader:
                 yield from stream.run(reader)
@@ -257,9 +262,8 @@ class EmbeddedEngine:
             slot_bytes = self._device_slot_bytes(plan)
             plan = in_parts(plan, slot_bytes)
         slot_batches = sum(b.kind is BatchKind.SLOT and b.buffer_bytes > 0 for b in plan.batches)
-        count = min(self.config.budget // slot_bytes, slot_batches) if slot_bytes else 0
-        if pool is not None and count:
-            count = min(count, max(2, DEVICE_RING_BYTES // slot_bytes))  # two: one filling, one copying
+        # A device ring: at most DEVICE_RING_BYTES, but two slots (one filling, one copying).
+        count = ring_slots(self.config.budget, slot_bytes, slot_batches, cap_bytes=DEVICE_RING_BYTES if pool is not None else None)
         return plan, _Ring(slot_bytes, count, self.stats, pool)
 
     @staticmethod
@@ -373,9 +377,11 @@ class _Stream:
         device: torch.device,
         borrowed: bool,
         verify: Callable[[Batch], None] | None = None,
+        in_flight: int | None = None,
     ) -> None:
         self._uri = uri
         self._verify = verify
+        self._in_flight = in_flight
         self._ring = ring
         self._stats = stats
         self._device = device
@@ -389,7 +395,7 @@ class _Stream:
         self._hand_over = device.type == "cpu" and not borrowed
 
     def run(self, reader: NativeReader) -> Iterator[tuple[str, torch.Tensor]]:
-        pipeline = Pipeline(self._uri, self._plan, reader, self._acquire, self._stats, self._verify)
+        pipeline = Pipeline(self._uri, self._plan, reader, self._acquire, self._stats, self._verify, in_flight=self._in_flight)
         for load in pipeline.loaded(self._wait_for_buffer):
             yield from self._deliver(load)
             if load.token is None or self._copier is not None:  # device copies release their own

@@ -4,8 +4,10 @@ The one loading loop, shared by the embedded engine (buffers are anonymous
 memory, released as the caller iterates) and the daemon (buffers are
 shared-memory segments, released when every rank is done with them):
 
-- submit batches in plan order while the buffer source has room;
-- wait for the head batch's ranges; a failed range fails the load, naming the
+- submit batches in plan order while the buffer source has room and the bytes submitted but not
+  yet landed stay within ``in_flight`` (``sizing.in_flight_bytes``: what keeps storage busy for
+  a request's latency); more would only make every batch land later, the head included;
+- wait for the head batch's ranges, submitting more as ranges land; a failed range fails the load, naming the
   file, the byte range and the tensors it held, and no tensor of that batch
   is delivered;
 - confirm that the objects the batch was read from are still the version the
@@ -43,7 +45,8 @@ class Buffer(Protocol):
 class LoadStats:
     bytes_read: int = 0  # written into our buffers by Run:ai
     submissions: int = 0
-    peak_in_flight: int = 0
+    peak_in_flight: int = 0  # submissions not yet landed in full, at most at once
+    peak_in_flight_bytes: int = 0  # bytes submitted and not yet landed, at most at once
     first_submitted: float | None = None  # time.monotonic() of the first submission
     last_landed: float | None = None  # ... of the last range that landed
 
@@ -88,8 +91,12 @@ class Pipeline:
         acquire: AcquireBuffer,
         stats: LoadStats,
         verify: Callable[[Batch], None] | None = None,
+        *,
+        in_flight: int | None = None,
     ) -> None:
         self._uri = uri
+        self._limit = in_flight  # None: as many bytes as the buffers hold
+        self._in_flight = 0  # bytes submitted and not yet landed
         self._verify = verify
         self._reader = reader
         self._acquire = acquire
@@ -118,17 +125,15 @@ class Pipeline:
             yield load
 
     def _fill(self) -> None:
-        # Setting up a buffer can cost (a shared-memory segment is zero-filled when created), so
-        # while a batch is in flight add at most two more per delivered batch: the head is
-        # delivered as soon as it is loaded, and the prefetch depth still grows to what the
-        # buffers allow.
-        room = 2 if self._loads else len(self._pending)
-        while self._pending and room > 0:
-            room -= 1
+        """Submit the next batches while a buffer is free and the bound allows: a batch goes when
+        nothing is in flight, or when its bytes fit under ``in_flight`` with what is."""
+        while self._pending:
             index, batch = self._pending[0]
             if not batch.ranges:
                 load = Load(index, batch, None, None, 0)
             else:
+                if self._in_flight and self._limit is not None and self._in_flight + batch.data_bytes > self._limit:
+                    return
                 got = self._acquire(batch)
                 if got is None:
                     return
@@ -141,10 +146,12 @@ class Pipeline:
     def _submit(self, load: Load) -> None:
         submission = self._reader.submit(self._file_reads(load), keepalive=load.buffer)
         self._by_submission[submission] = load
+        self._in_flight += load.batch.data_bytes
         if self._stats.first_submitted is None:
             self._stats.first_submitted = time.monotonic()
         self._stats.submissions += 1
         self._stats.peak_in_flight = max(self._stats.peak_in_flight, len(self._by_submission))
+        self._stats.peak_in_flight_bytes = max(self._stats.peak_in_flight_bytes, self._in_flight)
 
     def _file_reads(self, load: Load) -> list[FileReads]:
         """The batch's ranges grouped by file, as Run:ai takes them, with absolute destinations."""
@@ -161,10 +168,12 @@ class Pipeline:
             self._record(result)
             if load.done:
                 return
+            self._fill()  # room under the bound as ranges land: storage keeps busy meanwhile
 
     def _record(self, result: RangeResult) -> None:
         load = self._by_submission[result.submission]
         load.remaining -= 1
+        self._in_flight -= result.range.nbytes
         if result.error is None:
             self._stats.bytes_read += result.range.nbytes
             self._stats.last_landed = time.monotonic()

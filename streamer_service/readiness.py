@@ -3,8 +3,8 @@
 Not ready while the daemon stops, once its reaper thread has ended (dead ranks would never be
 reclaimed, idle segments never trimmed), or while the shm filesystem cannot hold the ring of
 slots one load streams through: its free space plus what the daemon's own segments already
-take there (ring, idle and resident segments), against ``min(budget // slot, MAX_RING_SLOTS)``
-slots. A filesystem smaller than that fails every load at its first segment it has no room for.
+take there (ring, idle and resident segments), against the slots a load takes before its ranks
+release any (``sizing.first_ring_slots``). A filesystem smaller than that fails every load at its first segment it has no room for.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .session_buffers import MAX_RING_SLOTS
 from .shm import Pages
+from .sizing import first_ring_slots
 
 __all__ = ["ShmRoom", "shm_room"]
 
@@ -42,8 +42,8 @@ class ShmRoom:
         )
 
 
-def shm_room(shm_dir: Path, pages: Pages, *, budget: int, slot: int, held: int) -> ShmRoom:
-    ring = max(min(budget // slot, MAX_RING_SLOTS), 1) * pages.round(slot)
+def shm_room(shm_dir: Path, pages: Pages, *, budget: int, slot: int, in_flight: int, held: int) -> ShmRoom:
+    ring = max(first_ring_slots(budget, slot, in_flight), 1) * pages.round(slot)
     return ShmRoom(shm_dir, _free_bytes(shm_dir, pages), held, ring, slot, budget)
 
 

@@ -83,6 +83,7 @@ class Session:
         *,
         slot_size: int,
         pool: SegmentPool,
+        in_flight: int | None = None,
         join_timeout_s: float,
         on_end: Callable[["Session"], None],
         resident: ResidentStore | None = None,
@@ -106,6 +107,7 @@ class Session:
         self.rejoin = rejoin
         self.resident_bytes = 0  # handed out from memory kept by earlier loads
         self._slot_size = slot_size
+        self._in_flight = in_flight  # bytes submitted to storage and not yet landed, at most
         self._join_deadline = clock() + join_timeout_s
         self._join_timeout_s = join_timeout_s
         self._on_end = on_end
@@ -266,7 +268,9 @@ class Session:
                 fs_strategy = BUFFERED_FS_STRATEGY if self.checkpoint.uri.is_local else None
                 with self._reader_factory(fs_strategy=fs_strategy, environment=self._storage_environment) as reader:
                     verify = self._versions.check if self._versions is not None else None
-                    pipeline = Pipeline(self.checkpoint.uri, plan, reader, self._acquire, self.stats, verify)
+                    pipeline = Pipeline(
+                        self.checkpoint.uri, plan, reader, self._acquire, self.stats, verify, in_flight=self._in_flight
+                    )
                     for load in pipeline.loaded(self._wait_for_release):
                         self._publish(load)
             with self._cond:

@@ -4,8 +4,9 @@ A session streams each batch into a shared-memory segment and hands the ranks ha
 This module owns those segments for one session; the session owns who may read them (``ledger``)
 and when (its state machine). Two kinds of segment:
 
-- **Ring slots** (the default): segments of the daemon's slot size, at most ``MAX_RING_SLOTS``
-  of them plus one oversized tensor's (``ring``, the rule shared with the embedded engine), paid
+- **Ring slots** (the default): segments of the daemon's slot size, as many as the budget holds
+  (``sizing.ring_slots``, the rule shared with the embedded engine; made only when no free one is
+  left) plus one oversized tensor's (``ring``), paid
   from the node's shm budget (``shm.SegmentPool``) and given back to the pool when the session
   ends, where the next session of any checkpoint can reuse them.
 - **Kept segments** (a retention budget with room for the load): one segment of the batch's
@@ -34,15 +35,11 @@ from .plan import Batch, BatchKind, Placement, Plan
 from .resident import ResidentCopy, ResidentStore
 from .ring import Ring
 from .shm import CREATE_WORKERS, Reservation, Segment, SegmentPool
+from .sizing import ring_slots
 
-__all__ = ["KEPT_AHEAD", "MAX_RING_SLOTS", "SegmentSlot", "SessionBuffers"]
+__all__ = ["KEPT_AHEAD", "SegmentSlot", "SessionBuffers"]
 
 log = logging.getLogger(__name__)
-
-# Enough segments for loading, delivery and release to overlap. More only cost set-up per load:
-# every segment is zero-filled by fallocate here and page-locked by each CUDA rank (0.11 s/GiB on
-# an H200 host), which a 16-slot ring of 4 GiB paid on every load (docs/benchmarks.md).
-MAX_RING_SLOTS = 6
 
 # Kept segments being made or ready ahead of the batch that needs them: one per maker thread, and
 # as many again ready, so the makers never wait for the pipeline to ask.
@@ -123,7 +120,7 @@ class SessionBuffers:
             log.info("session %s: %d bytes to load do not fit the retention budget; streaming through the ring", session, need)
         slot_batches = sum(b.kind is BatchKind.SLOT and b.buffer_bytes > 0 for b in plan.batches)
         # Ring segments are all of the daemon's slot size, so that later sessions can reuse them.
-        self._ring.capacity = min(self._pool.budget.limit // self._slot_size, slot_batches, MAX_RING_SLOTS)
+        self._ring.capacity = ring_slots(self._pool.budget.limit, self._slot_size, slot_batches)
 
     def acquire(self, batch: Batch) -> SegmentSlot | None:
         """A segment for ``batch``: a kept one, a free ring slot, a new one while the ring may grow,

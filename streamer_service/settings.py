@@ -24,19 +24,19 @@ from streamer_client.settings import (
     DEFAULT_SOCKET, MIN_SHM_BUDGET, SETTINGS, Settings, check_names, default_cache_dir, problem,
 )  # fmt: skip
 
+from .sizing import FEW_SLOTS, slot_bytes
+
 if TYPE_CHECKING:
     from pydantic import ValidationError
     from pydantic_settings import BaseSettings
 
 __all__ = [
-    "DEFAULT_SOCKET", "MIN_SHM_BUDGET", "Settings", "SettingsError", "daemon_slot_size", "default_cache_dir", "few_slots_warning",
+    "DEFAULT_SOCKET", "MIN_SHM_BUDGET", "Settings", "SettingsError", "default_cache_dir", "few_slots_warning",
     "get_settings", "read_settings", "settings_model",
 ]  # fmt: skip
 
 _BY_VARIABLE = {name: row for row in SETTINGS for name in row.env}
 
-FEW_SLOTS = 4
-"""A budget of fewer slots than this (of the configured slot size) is accepted with a warning."""
 
 
 @functools.cache
@@ -96,20 +96,15 @@ def _describe(exc: ValidationError, overrides: Mapping[str, Any], arguments: Map
     return "; ".join(problems)
 
 
-def daemon_slot_size(settings: Settings) -> int:
-    """The daemon's slot: ``STREAMER_SLOT_SIZE``, shrunk so that :data:`FEW_SLOTS` fit the budget,
-    but never below one minimum slot (:data:`MIN_SHM_BUDGET`, the least budget accepted)."""
-    return min(int(settings.slot_size), max(int(settings.shm_budget) // FEW_SLOTS, MIN_SHM_BUDGET))
-
-
 def few_slots_warning(settings: Settings) -> str | None:
     """What to warn about when the budget holds fewer than a few slots of the configured size."""
     budget, slot = int(settings.shm_budget), int(settings.slot_size)
-    if budget >= FEW_SLOTS * slot:
+    shrunk = slot_bytes(budget, slot)
+    if shrunk == slot:
         return None
     return (
         f"STREAMER_SHM_BUDGET ({budget} bytes) holds fewer than {FEW_SLOTS} slots of STREAMER_SLOT_SIZE "
-        f"({slot} bytes): slots shrink to {daemon_slot_size(settings)} bytes and loads of many tensors "
+        f"({slot} bytes): slots shrink to {shrunk} bytes and loads of many tensors "
         "take more requests; raise the budget for speed"
     )
 

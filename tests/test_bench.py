@@ -139,3 +139,41 @@ def test_quick_mode_completes_byte_exact_and_reads_less_through_the_daemon(tmp_p
     assert len(started["server_pids"]) == 1 and len(started["daemon_pids"]) == 2
     assert not any(_alive(pid) for pid in started["server_pids"] + started["daemon_pids"])
     assert not any(Path(d).exists() for d in started["daemon_shm_dirs"])
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--source", "local", "--latency-ms", "30"], "--latency-ms needs object-storage sources (moto, seaweed), not 'local'"),
+        (["--source", "gcs", "--modes", "A,D"], "contender D downloads with boto3: not from the 'gcs' source"),
+        (["--source", "seaweed", "--latency-ms", "-1"], "--latency-ms >= 0"),
+    ],
+)
+def test_latency_and_gcs_usage_errors(tmp_path, args, message):
+    result = subprocess.run([*CLI, *args, "--work-dir", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert message in result.stderr
+
+
+@pytest.mark.timeout(660)
+def test_gcs_behind_the_latency_proxy_counts_bytes_and_requests(tmp_path):
+    """fake-gcs-server with every request held 30 ms: each run's bytes are checked, the proxy
+    counts what storage sent (the daemon reads a replicated selection once, plain Run:ai once per
+    rank) and the requests it held; Run:ai runs with its own concurrency; the report names the CPUs."""
+    out = tmp_path / "bench.json"
+    result = _run_bench(["--source", "gcs", "--size", "8MB", "--ranks", "2", "--scenarios", "replicated", "--modes", "A,B",
+                         "--reps", "1", "--warmup", "0", "--full-check", "--latency-ms", "30", "--json", str(out),
+                         "--work-dir", str(tmp_path / "work")], timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"{os.cpu_count()} CPUs; checkpoint " in result.stdout
+    assert "every storage request held 30 ms (latency proxy)" in result.stdout
+    report = json.loads(out.read_text())
+    assert report["ok"] is True and report["config"]["latency_ms"] == 30
+    assert "RUNAI_STREAMER_CONCURRENCY" not in report["config"]["runai_env"]
+    by = {r["mode"]: r for r in report["runs"]}
+    assert all(r["verified"] and r["check"] == "full" for r in by.values())
+    unique = by["A"]["unique_bytes"]
+    assert unique <= by["B"]["storage_bytes"] < 1.2 * unique  # once, plus response headers
+    assert 2 * unique <= by["A"]["storage_bytes"] < 2.4 * unique
+    assert by["A"]["requests"] > 0 and by["B"]["requests"] > 0
+    assert not any(_alive(pid) for pid in report["started"]["server_pids"] + report["started"]["daemon_pids"])

@@ -143,21 +143,25 @@ def test_health_json_reports_readiness_and_read_parallelism(daemon):
     import json
     import os
 
-    d = daemon({"STREAMER_OBJ_CONCURRENCY": "32", "STREAMER_S3_TARGET_GBPS": "25"})
-    env = {**os.environ, "RUNAI_STREAMER_CHUNK_BYTESIZE": "16777216"}  # the operator's own: it wins, and is reported
+    from streamer_service.sizing import in_flight_bytes, slot_bytes
+
+    d = daemon({"STREAMER_OBJ_CONCURRENCY": "32", "STREAMER_TARGET_GBPS": "400"})
+    env = {**os.environ, "RUNAI_STREAMER_CHUNK_BYTESIZE": "6291456"}  # the operator's own: it wins, and is reported
     result = run("health", "--ready", "--json", "--socket", str(d.socket), env=env)
     assert result.returncode == 0, result.stderr
     reply = json.loads(result.stdout)
     assert reply["status"] == "ready" and reply["socket"] == str(d.socket)
     # What the daemon's own environment puts in force (its process did not get the chunk size).
+    budget = reply["shm_budget"]
     assert reply["read_parallelism"] == {
         "RUNAI_STREAMER_OBJ_CONCURRENCY": {"value": "32", "source": "settings"},
-        "RUNAI_STREAMER_S3_TARGET_GBPS": {"value": "25", "source": "settings"},
-        "RUNAI_STREAMER_CHUNK_BYTESIZE": {"value": "8388608", "source": "run:ai default"},
+        "RUNAI_STREAMER_S3_TARGET_GBPS": {"value": "32", "source": "target_gbps=400"},
+        "RUNAI_STREAMER_CHUNK_BYTESIZE": {"value": str(16 * 1024**2), "source": "target_gbps=400"},
+        "bytes_in_flight": {"value": str(in_flight_bytes(400, slot_bytes(budget, 256 * 1024**2), budget)), "source": "target_gbps=400"},
     }
     assert reply["local_reader"] == "mapped"  # the copier is built here (tests/test_mapped.py)
     log = d.log.read_text()
-    assert "Run:ai reads: RUNAI_STREAMER_OBJ_CONCURRENCY=32 (settings), RUNAI_STREAMER_S3_TARGET_GBPS=25 (settings)" in log
+    assert "Run:ai reads: RUNAI_STREAMER_OBJ_CONCURRENCY=32 (settings), RUNAI_STREAMER_S3_TARGET_GBPS=32 (target_gbps=400)" in log
     assert "local dirs: read through file mappings by the native copier" in log
 
 

@@ -338,7 +338,9 @@ def test_config_is_validated():
         EngineConfig(budget=0, slot_size=1)
     with pytest.raises(ConfigError):
         EngineConfig(budget=10, slot_size=11)
-    assert EngineConfig.from_settings(Settings(shm_budget=MIB, slot_size=4 * MIB)).slot_size == MIB
+    # The daemon's rule (sizing.slot_bytes): a slot shrinks until four fit the budget.
+    assert EngineConfig.from_settings(Settings(shm_budget=MIB, slot_size=4 * MIB)).slot_size == MIB // 4
+    assert EngineConfig.from_settings(Settings(shm_budget=MIB, slot_size=64 * KIB)).slot_size == 64 * KIB
 
 
 def test_a_device_load_page_locks_at_most_the_device_ring_whatever_the_budget(tmp_path, monkeypatch):

@@ -134,6 +134,7 @@ class Settings:
     storage_read_timeout_s: float = Setting(60.0, number(gt=0), "read timeout of one storage request")
     storage_retry_deadline_s: float = Setting(60.0, number(gt=0), "GCS: total time one request may spend retrying; Run:ai S3: its retry window")
     s3_addressing_style: str = Setting("auto", choice("auto", "path", "virtual"), "boto3's S3 addressing style; path for most S3-compatible servers")
+    target_gbps: int = Setting(100, integer(ge=1, le=10_000), "the node NIC's rate, Gbit/s: Run:ai's read parallelism and the bytes a load keeps in flight")
     obj_concurrency: int | None = Setting(None, optional(integer(ge=1, le=1024)), "object-storage clients Run:ai reads with at once (Run:ai: 8)")
     s3_target_gbps: int | None = Setting(None, optional(integer(ge=1, le=10_000)), "throughput target of each S3 client, Gbit/s (the AWS CRT: 10)")
     read_chunk_size: int | None = Setting(None, optional(byte_size(ge=5 * MiB, le=GiB)), "bytes one Run:ai read request asks for (Run:ai: 8 MiB)")

@@ -9,7 +9,8 @@ Contenders (each rank a real process; see docs/benchmarks.md):
   selection with ``safetensors`` (from a local source: no download).
 
 Scenarios (:mod:`.scenarios`): replicated, TP-like, disjoint. Sources (:mod:`.sources`): a
-local dir, moto, SeaweedFS. Numbers (:mod:`.measure`) come from the kernel and the storage server,
+local dir, moto, SeaweedFS, fake-gcs-server; ``--latency-ms`` holds every request of an object-storage
+source (:mod:`.latency`). Numbers (:mod:`.measure`) come from the kernel and the storage server,
 never from our own counters. Modules: ``sources``, ``scenarios``, ``ranks`` (the rank processes),
 ``measure``, ``runner``, ``report``.
 """
@@ -30,7 +31,7 @@ QUICK = {"sources": "local,seaweed", "size": "32MB", "ranks": "2", "reps": 1, "w
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--source", default="local,seaweed", help="comma list of local, moto, seaweed (default local,seaweed)")
+    parser.add_argument("--source", default="local,seaweed", help="comma list of local, moto, seaweed, gcs (default local,seaweed)")
     parser.add_argument("--size", default="2GiB", help="checkpoint size, e.g. 2GiB, 500MB (default 2GiB)")
     parser.add_argument("--ranks", default="1,2,4", help="comma list of rank counts (default 1,2,4)")
     parser.add_argument("--scenarios", default="replicated,tp,disjoint", help="comma list (default: all three)")
@@ -40,8 +41,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--full-check", action="store_true", help="check every byte in timed repetitions too")
     parser.add_argument("--borrowed", action="store_true",
                         help="ranks take zero-copy views (A: owned=False, B and C: borrowed=True); D still copies")
-    parser.add_argument("--runai-concurrency", type=int, default=2,
-                        help="RUNAI_STREAMER_CONCURRENCY for A, B and C (default 2; 0: Run:ai's default)")
+    parser.add_argument("--runai-concurrency", type=int, default=0,
+                        help="RUNAI_STREAMER_CONCURRENCY for A, B and C (default 0: Run:ai's own, 8 from object storage)")
+    parser.add_argument("--latency-ms", type=float, default=0.0,
+                        help="hold every storage request this long before the server sees it (a latency proxy on "
+                             "loopback; object-storage sources only; default 0: none)")
+    parser.add_argument("--retention-budget", default="0",
+                        help="the bench daemon's STREAMER_RETENTION_BUDGET (default 0: off)")
     parser.add_argument("--runai-chunk", help="RUNAI_STREAMER_CHUNK_BYTESIZE for A, B and C (default: Run:ai's)")
     parser.add_argument("--shm-budget", default="1GiB", help="the bench daemon's shared-memory budget (default 1GiB)")
     parser.add_argument("--work-dir", type=Path, help="keep the checkpoint and server data here (default: a temp dir)")
@@ -71,8 +77,8 @@ def _config(args: argparse.Namespace, work: Path):
     if args.runai_chunk:
         runai_env["RUNAI_STREAMER_CHUNK_BYTESIZE"] = str(byte_size()(args.runai_chunk))
     ranks = tuple(int(n) for n in split(args.ranks))
-    if not ranks or min(ranks) < 1 or args.reps < 1 or args.warmup < 0:
-        raise ValueError("--ranks needs counts >= 1, --reps >= 1, --warmup >= 0")
+    if not ranks or min(ranks) < 1 or args.reps < 1 or args.warmup < 0 or args.latency_ms < 0:
+        raise ValueError("--ranks needs counts >= 1, --reps >= 1, --warmup >= 0, --latency-ms >= 0")
     return BenchConfig(
         sources=tuple(split(args.source)),
         size_bytes=byte_size()(args.size),
@@ -86,12 +92,15 @@ def _config(args: argparse.Namespace, work: Path):
         runai_env=runai_env,
         shm_budget=args.shm_budget,
         work_dir=work,
+        latency_s=args.latency_ms / 1000,
+        retention_budget=args.retention_budget,
     )
 
 
 def run(args: argparse.Namespace) -> int:
     from .report import Progress, format_tables, missed_targets, ratios, summarize
     from .runner import Bench, loadavg, machine_info
+    from .ranks import Mode
     from .sources import SOURCES
 
     # A bench stopped with SIGTERM still stops its servers and daemon and removes its shared memory.
@@ -107,6 +116,12 @@ def run(args: argparse.Namespace) -> int:
         unknown = [s for s in config.sources if s not in SOURCES]
         if unknown:
             print(f"streamer-service bench: unknown source {unknown[0]!r}; choose from {', '.join(SOURCES)}", file=sys.stderr)
+            return 2
+        if "gcs" in config.sources and Mode.NAIVE in config.modes:
+            print("streamer-service bench: contender D downloads with boto3: not from the 'gcs' source", file=sys.stderr)
+            return 2
+        if config.latency_s and "local" in config.sources:
+            print("streamer-service bench: --latency-ms needs object-storage sources (moto, seaweed), not 'local'", file=sys.stderr)
             return 2
         bench = Bench(config, None)
         progress = Progress(bench.plan_total())
@@ -136,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
             "warmup": config.warmup,
             "runai_env": config.runai_env,
             "shm_budget": config.shm_budget,
+            "retention_budget": config.retention_budget,
+            "latency_ms": config.latency_s * 1000,
             "borrowed": config.borrowed,
         },
         "started": bench.started,
@@ -146,9 +163,13 @@ def run(args: argparse.Namespace) -> int:
         "ratios": [dataclasses.asdict(r) for r in ratio_rows],
         "runs": [r.as_dict() for r in results],
     }
+    cpus = report["machine"].get("cpus")
     header = (
-        f"checkpoint {bench.catalog.total_bytes / 1e9:.2f} GB ({len(bench.catalog.tensors)} tensors); "
+        f"{cpus} CPUs; checkpoint {bench.catalog.total_bytes / 1e9:.2f} GB ({len(bench.catalog.tensors)} tensors); "
         f"Run:ai env for A, B, C: {config.runai_env}; buffer budget (B's daemon, C) {config.shm_budget}; "
+        + (f"retention budget (B's daemon) {config.retention_budget}; " if config.retention_budget not in ("", "0") else "")
+        + (f"every storage request held {config.latency_s * 1000:g} ms (latency proxy); " if config.latency_s else "")
+        + 
         f"ranks take {'zero-copy views' if config.borrowed else 'owned tensors'}; "
         f"medians of {config.reps} after {config.warmup} warm-up; load average {load_before[0]:.2f} -> {load_after[0]:.2f}"
     )

@@ -47,6 +47,8 @@ class BenchConfig:
     runai_env: dict[str, str]  # the same Run:ai settings for A, B's daemon and C
     shm_budget: str
     work_dir: Path
+    latency_s: float = 0.0  # every storage request held this long (sources.with_latency)
+    retention_budget: str = "0"  # B's daemon
 
 
 @dataclass
@@ -58,6 +60,7 @@ class RunResult:
     rep: int  # < 0: warm-up
     wall_s: float = 0.0
     storage_bytes: int | None = None
+    requests: int | None = None  # through the latency proxy: requests it held
     delivered_bytes: int = 0
     unique_bytes: int = 0
     peak_shm_bytes: int | None = None
@@ -116,7 +119,7 @@ class Bench:
 
     def _run_source(self, name: str) -> None:
         self.progress.note(f"starting source {name}")
-        source = open_source(name, self.work, self.checkpoint)
+        source = open_source(name, self.work, self.checkpoint, self.config.latency_s)
         daemon = None
         try:
             self.sources[name] = source.describe()
@@ -125,7 +128,8 @@ class Bench:
             if Mode.DAEMON in self.config.modes:
                 root = self.work / f"daemon-{name}"
                 root.mkdir(exist_ok=True)
-                daemon = ChildDaemon(root, self.config.shm_budget, env={**self._common_env(source)})
+                daemon = ChildDaemon(root, self.config.shm_budget,
+                                     env={**self._common_env(source), "STREAMER_RETENTION_BUDGET": self.config.retention_budget})
                 self.started["daemon_pids"].append(daemon.proc.pid)
                 self.started["daemon_shm_dirs"].append(str(daemon.shm_dir))
             for scenario in self.config.scenarios:
@@ -206,6 +210,7 @@ class Bench:
                 except threading.BrokenBarrierError:
                     pass  # a rank failed to start: its error comes through the queue
                 served_before = source.bytes_served()
+                requests_before = source.proxy.counts.requests if source.proxy is not None else None
                 daemon_io = read_io(daemon.proc.pid)["rchar"] if "daemon" in groups else 0
                 started = time.monotonic()
                 go.set()
@@ -218,6 +223,8 @@ class Bench:
                             if results.empty():
                                 break
                 served_after = source.bytes_served()
+                if requests_before is not None:
+                    result.requests = source.proxy.counts.requests - requests_before
                 daemon_io = read_io(daemon.proc.pid)["rchar"] - daemon_io if "daemon" in groups else 0
         finally:
             for p in procs:

