@@ -5,7 +5,7 @@
 MAIN: ``bench --modes A,B,C --reps R --warmup 1`` (its B warm-up is a fresh daemon's first load);
 RETENTION: ``bench --modes B --ranks 1 --scenarios replicated --reps 2 --warmup 0
 --retention-budget ...`` (repetition 1 streams into kept segments, 2 is served from memory).
-Targets are issue 25's.
+The targets are those of TARGETS below: B ÷ A per scenario and rank count.
 """
 
 from __future__ import annotations

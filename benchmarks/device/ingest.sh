@@ -11,7 +11,7 @@
 # starlette, pydantic, pydantic-settings, uvicorn, streamer-client and streamer-service), installed
 # with ONE `pip install --target` (two installs of the Run:ai wheels overwrite each other's shared
 # package folder); python3 with torch, numpy and safetensors. Environment: SIZE (default 4GiB),
-# SHM_BUDGET (8GiB, as in issue 25's table), RETENTION (12GiB), WORK (/tmp/ingest-work: the
+# SHM_BUDGET (8GiB), RETENTION (12GiB), WORK (/tmp/ingest-work: the
 # checkpoint is kept there for the second run). Keeps under 5 minutes on 16 cores.
 set -euo pipefail
 
