@@ -53,7 +53,7 @@ COPY pyproject.toml README.md ./
 COPY streamer_service/ streamer_service/
 RUN pip install --no-deps ./client . \
     && pip check \
-    && python -c "import streamer_service.server, streamer_service.api, streamer_service.daemon, streamer_client._copier" \
+    && python -c "import streamer_service.daemon.server, streamer_service.daemon.api, streamer_service.daemon.core, streamer_client._copier" \
     && streamer-service --help > /dev/null
 
 # ---------------------------------------------------------------------------------------------

@@ -38,8 +38,9 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout
 
 from streamer_service.bench.sources import warm_page_cache  # noqa: E402
-from streamer_service.catalog import build_catalog  # noqa: E402
-from streamer_service.engine import BUFFERED_FS_STRATEGY, EmbeddedEngine, EngineConfig  # noqa: E402
+from streamer_service.checkpoint.catalog import build_catalog  # noqa: E402
+from streamer_service.embedded.engine import EmbeddedEngine, EngineConfig  # noqa: E402
+from streamer_service.readers.runai import BUFFERED_FS_STRATEGY  # noqa: E402
 from streamer_service.settings import Settings  # noqa: E402
 from streamer_service.storage import open_storage  # noqa: E402
 from streamer_service.uri import parse_uri  # noqa: E402

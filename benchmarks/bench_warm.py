@@ -51,7 +51,7 @@ import torch  # noqa: E402
 
 from streamer_service.bench.sources import SOURCES, open_source  # noqa: E402
 from streamer_service.sample import rank_selection  # noqa: E402
-from streamer_service.server import ChildDaemon  # noqa: E402
+from streamer_service.daemon.server import ChildDaemon  # noqa: E402
 
 
 def _rank_main(rank: int, world: int, uri: str, truth: str, keys: list[str], device: str, borrowed: bool,
@@ -98,7 +98,7 @@ def _index(directory: Path) -> dict[str, str]:
 
 def _names(directory: Path) -> dict[str, int]:
     """Tensor name -> nbytes, in checkpoint order."""
-    from streamer_service.catalog import build_catalog
+    from streamer_service.checkpoint.catalog import build_catalog
     from streamer_service.settings import Settings
     from streamer_service.storage import open_storage
     from streamer_service.uri import parse_uri

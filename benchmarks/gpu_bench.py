@@ -54,7 +54,7 @@ for path in (REPO / "client", REPO):  # run from a checkout
 import streamer_client  # noqa: E402
 from streamer_client.cuda import PinnedCopier, address_of  # noqa: E402
 from streamer_service.bench.sources import warm_page_cache  # noqa: E402
-from streamer_service.server import ChildDaemon  # noqa: E402
+from streamer_service.daemon.server import ChildDaemon  # noqa: E402
 
 GB = 1e9
 MIB = 2**20

@@ -112,7 +112,7 @@ def main() -> int:
         raise SystemExit(f"--paths: in-process and/or daemon, not {args.paths!r}")
 
     from streamer_service.sample import build_sample
-    from streamer_service.server import ChildDaemon
+    from streamer_service.daemon.server import ChildDaemon
 
     with tempfile.TemporaryDirectory(prefix="import-time-") as tmp:
         work = Path(tmp)

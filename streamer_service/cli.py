@@ -38,7 +38,7 @@ def _settings(args: argparse.Namespace) -> Settings:
 def cmd_pull(args: argparse.Namespace) -> int:
     from streamer_client.launch import resolve_launch_id
 
-    from .metadata import MetadataCache
+    from .metadata.cache import MetadataCache
 
     settings = _settings(args)
     # A CLI invocation is its own launch unless one is configured: `pull --force`
@@ -50,8 +50,8 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .tensor_table import format_jsonl, format_table
-    from .checkpoint import open_checkpoint
+    from .checkpoint.tensor_table import format_jsonl, format_table
+    from .checkpoint.open import open_checkpoint
 
     checkpoint = open_checkpoint(args.uri, _settings(args))
     text = format_jsonl(checkpoint.catalog) if args.json else format_table(checkpoint.catalog)
@@ -60,7 +60,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .server import serve
+    from .daemon.server import serve
 
     try:
         settings = _settings(args)
@@ -113,7 +113,7 @@ class _Version(argparse.Action):
         super().__init__(option_strings, dest=dest, default=default, nargs=0, help=help)
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
-        from .metrics import build_info
+        from .daemon.metrics import build_info
 
         try:
             revision = get_settings().build_revision

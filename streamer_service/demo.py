@@ -50,7 +50,7 @@ def _rank_main(uri: str, truth_dir: str | None, rank: int, world_size: int, sele
         import streamer_client
 
         # Import the engine before the clock starts: the table reports load time, not interpreter start-up.
-        from . import embedded  # noqa: F401
+        from .embedded import backend  # noqa: F401
 
         started = time.perf_counter()
         received = {}
@@ -104,7 +104,7 @@ def _verify_against_storage(uri: str, received: dict, cache_dir: str) -> list[st
     """Remote checkpoints: compare with the bytes the cloud SDK reads (an independent path)."""
     import torch
 
-    from .checkpoint import open_checkpoint
+    from .checkpoint.open import open_checkpoint
     from .settings import get_settings
     from .storage import open_storage
 
@@ -130,8 +130,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .checkpoint import open_checkpoint
-    from .server import ChildDaemon
+    from .checkpoint.open import open_checkpoint
+    from .daemon.server import ChildDaemon
     from .settings import get_settings
 
     if args.ranks < 1:

@@ -12,7 +12,7 @@ import pytest
 
 from streamer_service.bench.report import RatioRow, missed_targets
 from streamer_service.bench.scenarios import Scenario, selections
-from streamer_service.header import TensorInfo
+from streamer_service.checkpoint.header import TensorInfo
 from streamer_service.sample import rank_selection
 
 CLI = [sys.executable, "-m", "streamer_service", "bench"]

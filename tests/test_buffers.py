@@ -1,7 +1,7 @@
-"""The process's pool of page-locked ring slots (streamer_service.buffers), over a fake CUDA runtime.
+"""The process's pool of page-locked ring slots (streamer_service.embedded.buffers), over a fake CUDA runtime.
 
 The CUDA calls are the only fake: buffers are real anonymous mappings, registration goes through
-the real :class:`streamer_client.cuda.HostPinner` and its process-wide registry. The device side
+the real :class:`streamer_client.pinning.HostPinner` and its process-wide registry. The device side
 (real ``cudaHostRegister``, loads through the engine) is tests/test_cuda.py.
 """
 
@@ -12,7 +12,7 @@ import gc
 import pytest
 
 from streamer_client.cuda import HostPinner, registered_ranges
-from streamer_service.buffers import HostBuffer, PinnedPool
+from streamer_service.embedded.buffers import HostBuffer, PinnedPool
 
 KIB = 1024
 
@@ -124,9 +124,9 @@ def test_released_slots_are_unmapped(pool):
 
 
 def test_slots_that_could_not_be_pinned_are_not_kept(fake, clock, monkeypatch):
-    from streamer_client import cuda
+    from streamer_client import pinning
 
-    monkeypatch.setattr(cuda, "_fallback_warned", False)  # the one warning per process, not yet given
+    monkeypatch.setattr(pinning, "_fallback_warned", False)  # the one warning per process, not yet given
 
     class Refusing(FakeCudart):
         def host_register(self, address, nbytes, flags):

@@ -1,4 +1,4 @@
-"""The tensor table of a checkpoint (streamer_service.catalog)."""
+"""The tensor table of a checkpoint (streamer_service.checkpoint.catalog)."""
 
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from streamer_client.errors import CheckpointError, HeaderError, ObjectNotFoundError
-from streamer_service import catalog as catalog_module
-from streamer_service.catalog import (
+from streamer_service.checkpoint import catalog as catalog_module
+from streamer_service.checkpoint.catalog import (
     Catalog,
     build_catalog,
     shard_group,
 )
-from streamer_service.tensor_table import format_jsonl, format_table
+from streamer_service.checkpoint.tensor_table import format_jsonl, format_table
 from streamer_service.settings import Settings
 from streamer_service.storage import open_storage
 from streamer_service.storage.base import ObjectInfo

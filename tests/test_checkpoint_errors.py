@@ -13,8 +13,8 @@ from safetensors.torch import save_file
 import streamer_client
 from checkpoints import make_sharded_checkpoint, many_small_tensors, write_raw_safetensors
 from streamer_client.errors import CheckpointError, HeaderError
-from streamer_service.catalog import INDEX_NAME
-from streamer_service.checkpoint import open_checkpoint
+from streamer_service.checkpoint.catalog import INDEX_NAME
+from streamer_service.checkpoint.open import open_checkpoint
 from streamer_service.settings import get_settings
 
 HINT = "(listed just now; if an upload is still in progress, load again once it has finished)"

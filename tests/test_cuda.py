@@ -25,22 +25,18 @@ import torch
 from safetensors.torch import load_file
 
 import streamer_client
-from streamer_client import cuda
-from streamer_client.cuda import (
+from streamer_client import pinning
+from streamer_client.cuda import Fence, PinnedCopier, _check_host, _Releases, address_of, cuda_device
+from streamer_client.pinning import (
     ERROR_ALREADY_REGISTERED,
     HOST_REGISTER_PORTABLE,
     HOST_REGISTER_READ_ONLY,
     HostPinner,
-    PinnedCopier,
-    _check_host,
     _Registry,
-    _Releases,
-    address_of,
-    cuda_device,
     registered_ranges,
 )
 from streamer_client.errors import ConfigError
-from streamer_service.plan import BatchKind
+from streamer_service.checkpoint.plan import BatchKind
 
 from checkpoints import INDEX_NAME, ground_truth, make_sharded_checkpoint, many_small_tensors, mixed_tensors
 
@@ -55,7 +51,7 @@ HAS_CUDA = torch.cuda.is_available()
 @pytest.fixture(autouse=True)
 def fresh_fallback_warning(monkeypatch):
     """Each test sees the process-wide 'pageable fallback' warning as not yet given."""
-    monkeypatch.setattr(cuda, "_fallback_warned", False)
+    monkeypatch.setattr(pinning, "_fallback_warned", False)
 
 
 # =========================================================================== anywhere
@@ -165,7 +161,7 @@ def test_buffers_are_released_in_copy_order_and_only_after_their_copies():
     releases, ran = _Releases(), []
     events = [FakeEvent() for _ in range(3)]
     for i, event in enumerate(events):
-        releases.add(cuda.Fence(event), lambda i=i: ran.append(i))
+        releases.add(Fence(event), lambda i=i: ran.append(i))
     assert releases.poll() == 0 and ran == []
     events[1].complete = True  # cannot overtake the first: same stream, so it did not really
     assert releases.poll() == 0 and ran == []
@@ -357,9 +353,9 @@ def close_engine_pools():
 def _engine(directory: Path, budget: int, slot: int, pool=None):
     """An engine whose CUDA loads keep their pinned slots in ``pool`` (default: one of its own,
     ``engine.pool``, so that tests see only their own registrations)."""
-    from streamer_service.buffers import PinnedPool
-    from streamer_service.catalog import build_catalog
-    from streamer_service.engine import EmbeddedEngine, EngineConfig
+    from streamer_service.embedded.buffers import PinnedPool
+    from streamer_service.checkpoint.catalog import build_catalog
+    from streamer_service.embedded.engine import EmbeddedEngine, EngineConfig
     from streamer_service.settings import Settings
     from streamer_service.storage import open_storage
     from streamer_service.uri import parse_uri
@@ -439,7 +435,7 @@ def test_engine_tensors_are_owned_and_survive_the_rest_of_the_load(many_batches)
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_engine_falls_back_to_pageable_copies_with_one_warning(many_batches, monkeypatch):
     directory, truth = many_batches
-    monkeypatch.setattr(cuda._TorchCudart, "host_register", lambda self, address, nbytes, flags: 2)
+    monkeypatch.setattr(pinning._TorchCudart, "host_register", lambda self, address, nbytes, flags: 2)
     engine = _engine(directory, budget=32 * KIB, slot=8 * KIB)
     with pytest.warns(RuntimeWarning, match="pageable") as record:
         got = dict(engine.stream(engine.plan(), device="cuda:0"))
@@ -543,7 +539,7 @@ def _check_against_truth(directory: Path, got: dict[str, torch.Tensor], device: 
 def test_a_few_gb_checkpoint_loads_byte_exact_through_the_public_api(few_gb_checkpoint):
     # A 1 GiB budget of 256 MiB slots: every slot is reused several times; the embedding is oversized
     # (it arrives in parts through the slots).
-    from streamer_service.buffers import pinned_pool
+    from streamer_service.embedded.buffers import pinned_pool
 
     pool = pinned_pool()
     try:

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from daemon_harness import DaemonProcess, ShmSampler, finish
-from streamer_service.catalog import build_catalog
+from streamer_service.checkpoint.catalog import build_catalog
 from streamer_service.sample import rank_selection
 from streamer_service.settings import Settings
 from streamer_service.storage import open_storage

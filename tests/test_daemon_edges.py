@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from daemon_harness import DaemonProcess, finish, finish_failed, wait_until
-from streamer_service.catalog import build_catalog
-from streamer_service.plan import select as plan_select
+from streamer_service.checkpoint.catalog import build_catalog
+from streamer_service.checkpoint.plan import select as plan_select
 from streamer_service.settings import Settings
 from streamer_service.storage import open_storage
 from streamer_service.uri import parse_uri

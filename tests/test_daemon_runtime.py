@@ -98,11 +98,11 @@ def test_a_reaper_that_stops_makes_the_daemon_not_ready_and_says_why(tmp_path, c
     """Whatever ends the reaper thread, /readyz answers 503 with the reason and the log says it."""
     from starlette.testclient import TestClient
 
-    from streamer_service.api import create_app
+    from streamer_service.daemon.api import create_app
     from streamer_service.settings import Settings
 
     app = create_app(Settings(segment_idle_s=0))
-    with caplog.at_level(logging.CRITICAL, logger="streamer_service.daemon"), TestClient(app, client=("", 0)) as c:  # as over the unix socket
+    with caplog.at_level(logging.CRITICAL, logger="streamer_service.daemon.core"), TestClient(app, client=("", 0)) as c:  # as over the unix socket
         assert c.get("/readyz").status_code == 200
         daemon = app.state.daemon
 

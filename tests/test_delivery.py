@@ -72,7 +72,7 @@ import json, sys
 import streamer_client
 from streamer_client import copier
 state = streamer_client.load_state_dict(sys.argv[1])
-print(json.dumps({"pool": copier._POOL is not None, "n": len(state)}))
+print(json.dumps({"pool": copier._POOL.peek() is not None, "n": len(state)}))
 """
 
 

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from streamer_client.errors import ConfigError, ObjectChangedError, SelectionError, StorageError
-from streamer_service.catalog import build_catalog
-from streamer_service.engine import BorrowedTensorError, EmbeddedEngine, EngineConfig
-from streamer_service.mapped import MappedReader
-from streamer_service.plan import BatchKind
-from streamer_service.runai import NativeReader, ResponseCode
+from streamer_service.checkpoint.catalog import build_catalog
+from streamer_service.embedded.engine import BorrowedTensorError, EmbeddedEngine, EngineConfig
+from streamer_service.readers.mapped import MappedReader
+from streamer_service.checkpoint.plan import BatchKind
+from streamer_service.readers.runai import NativeReader, ResponseCode
 from streamer_service.settings import Settings
 from streamer_service.storage import open_storage
 from streamer_service.uri import parse_uri
@@ -115,8 +115,8 @@ def test_safe_cpu_tensors_are_read_in_place_into_memory_the_caller_keeps(full_ch
 @pytest.fixture
 def buffer_memory(monkeypatch) -> list:
     """Weak references to the memory of every engine buffer made (it lives while any view does)."""
-    from streamer_service import engine as engine_module
-    from streamer_service.buffers import HostBuffer
+    from streamer_service.embedded import slots
+    from streamer_service.embedded.buffers import HostBuffer
 
     made: list[weakref.ref] = []
 
@@ -127,7 +127,7 @@ def buffer_memory(monkeypatch) -> list:
             super().__init__(nbytes)
             made.append(weakref.ref(self.array.base))
 
-    monkeypatch.setattr(engine_module, "HostBuffer", Recorded)
+    monkeypatch.setattr(slots, "HostBuffer", Recorded)  # the engine's slots make its buffers
     return made
 
 
@@ -344,8 +344,8 @@ def test_config_is_validated():
 
 
 def test_a_device_load_page_locks_at_most_the_device_ring_whatever_the_budget(tmp_path, monkeypatch):
-    from streamer_service import engine as engine_module
-    from streamer_service.buffers import PinnedPool
+    from streamer_service.embedded import engine as engine_module
+    from streamer_service.embedded.buffers import PinnedPool
 
     make_sharded_checkpoint(tmp_path, {f"w{i}": torch.zeros(16, 1024) for i in range(60)}, n_shards=2)  # 64 KiB each
     engine = _engine(tmp_path, budget=32 * MIB, slot=256 * KIB)
@@ -366,8 +366,8 @@ def test_a_device_load_page_locks_at_most_the_device_ring_whatever_the_budget(tm
 
 
 def test_a_device_load_reads_in_small_slots_whatever_the_slot_size(tmp_path, monkeypatch):
-    from streamer_service import engine as engine_module
-    from streamer_service.buffers import PinnedPool
+    from streamer_service.embedded import engine as engine_module
+    from streamer_service.embedded.buffers import PinnedPool
 
     monkeypatch.setattr(engine_module, "DEVICE_SLOT_BYTES", 256 * KIB)  # 64 MiB by default
     monkeypatch.setattr(engine_module, "DEVICE_RING_BYTES", 1 * MIB)
@@ -389,8 +389,8 @@ def test_a_device_load_reads_in_small_slots_whatever_the_slot_size(tmp_path, mon
 
 
 def test_a_device_load_reads_an_oversized_tensor_in_parts_through_its_slots(small_checkpoint):
-    from streamer_service.buffers import PinnedPool
-    from streamer_service.plan import Part
+    from streamer_service.embedded.buffers import PinnedPool
+    from streamer_service.checkpoint.plan import Part
 
     directory, _ = small_checkpoint
     engine = _engine(directory, budget=4 * SLOT, slot=SLOT)
@@ -412,7 +412,7 @@ def test_a_device_load_reads_an_oversized_tensor_in_parts_through_its_slots(smal
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_device_copies_are_byte_exact(small_checkpoint):
     directory, truth = small_checkpoint
-    from streamer_service.buffers import PinnedPool
+    from streamer_service.embedded.buffers import PinnedPool
 
     pool = PinnedPool()
     engine = _engine(directory, pool=pool)
@@ -430,8 +430,8 @@ def test_device_copies_are_byte_exact(small_checkpoint):
 _RSS_SCRIPT = textwrap.dedent(
     """
     import re, sys
-    from streamer_service.catalog import build_catalog
-    from streamer_service.engine import EmbeddedEngine, EngineConfig
+    from streamer_service.checkpoint.catalog import build_catalog
+    from streamer_service.embedded.engine import EmbeddedEngine, EngineConfig
     from streamer_service.settings import Settings
     from streamer_service.storage import open_storage
     from streamer_service.uri import parse_uri

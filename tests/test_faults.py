@@ -189,7 +189,7 @@ def test_in_process_loads_check_object_versions_too(sample, tmp_path):
     """The embedded engine (no daemon) runs the same check: a local shard rewritten mid-load."""
     from streamer_client.errors import ObjectChangedError
     from streamer_client.request import StreamRequest
-    from streamer_service.embedded import stream
+    from streamer_service.embedded.backend import stream
     from streamer_service.settings import Settings
 
     src, new = tmp_path / "ckpt", tmp_path / "new"

@@ -12,12 +12,12 @@ import time
 
 import pytest
 
-from streamer_service.checkpoint import open_checkpoint
-from streamer_service.plan import build_plan
-from streamer_service.resident import ResidentStore
-from streamer_service.session import Session, SessionState
+from streamer_service.checkpoint.open import open_checkpoint
+from streamer_service.checkpoint.plan import build_plan
+from streamer_service.daemon.resident import ResidentStore
+from streamer_service.daemon.session import Session, SessionState
 from streamer_service.settings import Settings
-from streamer_service.shm import SegmentPool, SegmentStore, ShmBudget
+from streamer_service.daemon.shm import SegmentPool, SegmentStore, ShmBudget
 from test_session import FakeReader, _consume, _join_all, _truth
 from test_session import checkpoint_dir  # noqa: F401 - the fixture: the same 4 MB sample
 

@@ -1,4 +1,4 @@
-"""safetensors header reading and validation (streamer_service.header)."""
+"""safetensors header reading and validation (streamer_service.checkpoint.header)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from safetensors.torch import save, save_file
 
 from streamer_client.dtypes import DTYPES
 from streamer_client.errors import HeaderError
-from streamer_service import header as header_module
-from streamer_service.header import (
+from streamer_service.checkpoint import header as header_module
+from streamer_service.checkpoint.header import (
     MAX_HEADER_BYTES,
     FileHeader,
     TensorInfo,
@@ -538,7 +538,7 @@ def _draw_selection(data, names: list[str]) -> list[str] | None:
 
 def _fuzz_case(case: tuple[bytes, int], data) -> None:
     from streamer_client.errors import SelectionError
-    from streamer_service.plan import build_plan, select
+    from streamer_service.checkpoint.plan import build_plan, select
 
     parsed = _accepted(case)
     if parsed is None:

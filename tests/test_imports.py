@@ -30,7 +30,7 @@ BLOCK_TORCH = textwrap.dedent(
     sys.meta_path.insert(0, NoTorch())
     for module in sys.argv[1:]:
         importlib.import_module(module)
-    from streamer_service.api import create_app
+    from streamer_service.daemon.api import create_app
     from streamer_service.settings import Settings
     create_app(Settings())
     assert "torch" not in sys.modules
@@ -39,7 +39,7 @@ BLOCK_TORCH = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("module", ["streamer_service.api", "streamer_service.daemon", "streamer_service.server", "streamer_client.connection"])
+@pytest.mark.parametrize("module", ["streamer_service.daemon.api", "streamer_service.daemon.core", "streamer_service.daemon.server", "streamer_client.connection"])
 def test_the_daemon_does_not_import_torch(module):
     result = subprocess.run([sys.executable, "-c", BLOCK_TORCH, module], capture_output=True, text=True, timeout=120)
     assert (result.returncode, result.stdout.strip()) == (0, "ok"), result.stderr[-3000:]

@@ -20,8 +20,8 @@ from botocore.config import Config
 
 from checkpoints import ground_truth, make_sharded_checkpoint
 from streamer_service.bench.latency import LatencyProxy
-from streamer_service.catalog import build_catalog
-from streamer_service.engine import EmbeddedEngine, EngineConfig
+from streamer_service.checkpoint.catalog import build_catalog
+from streamer_service.embedded.engine import EmbeddedEngine, EngineConfig
 from streamer_service.settings import Settings
 from streamer_service.storage import open_storage
 from streamer_service.uri import parse_uri

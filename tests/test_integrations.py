@@ -126,7 +126,7 @@ def test_huggingface_device_map_without_accelerate_says_what_to_install(tmp_path
 
 RSS_SCRIPT = """
 import sys, torch, transformers
-import streamer_client.integrations.huggingface, streamer_service.embedded  # imports are not loading
+import streamer_client.integrations.huggingface, streamer_service.embedded.backend  # imports are not loading
 
 def hwm():  # peak RSS of this process in KiB (ru_maxrss would start from the forking parent's)
     with open("/proc/self/status") as f:

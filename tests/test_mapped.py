@@ -1,4 +1,4 @@
-"""Local checkpoints read through file mappings by the native copier (streamer_service.mapped).
+"""Local checkpoints read through file mappings by the native copier (streamer_service.readers.mapped).
 
 Ground truth is ``safetensors``; the failure cases cut real files short under real mappings.
 """
@@ -20,11 +20,14 @@ import pytest
 import torch
 
 from streamer_client.errors import ObjectChangedError, SettingsError, StorageError
-from streamer_service import mapped
-from streamer_service.catalog import build_catalog
-from streamer_service.engine import EmbeddedEngine, EngineConfig
-from streamer_service.mapped import FileMaps, MappedReader, file_maps, reader_for
-from streamer_service.runai import FileReads, NativeReader, ReadRange
+from streamer_service.readers import mapped
+from streamer_service.checkpoint.catalog import build_catalog
+from streamer_service.embedded.engine import EmbeddedEngine, EngineConfig
+from streamer_service.readers import choice
+from streamer_service.readers.base import FileReads, ReadRange
+from streamer_service.readers.choice import reader_for
+from streamer_service.readers.mapped import FileMaps, MappedReader, file_maps
+from streamer_service.readers.runai import NativeReader
 from streamer_service.settings import Settings
 from streamer_service.storage import open_storage
 from streamer_service.uri import parse_uri
@@ -187,7 +190,7 @@ def test_a_bus_error_outside_the_copier_still_ends_the_process(tmp_path):
     script = textwrap.dedent(
         f"""
         import mmap, os
-        from streamer_service import mapped
+        from streamer_service.readers import mapped
         mapped._pool()  # installs the copier's handler
         with open({str(path)!r}, "wb") as f:
             f.write(b"x" * (4 << 20))
@@ -245,8 +248,11 @@ def test_which_reader_reads_what(monkeypatch, tmp_path):
     assert reader_for(local) is MappedReader
     assert reader_for(local, "runai") is NativeReader
     assert reader_for(remote) is NativeReader
+    assert reader_for(local, into_callers_memory=True) is NativeReader  # an in-process CPU load
+    assert (choice.fs_strategy_for(local), choice.fs_strategy_for(remote)) == ("sync_buffered", None)
     monkeypatch.setenv("RUNAI_STREAMER_FS_STRATEGY", "io_uring_direct")  # the operator chose Run:ai's
     assert reader_for(local) is NativeReader
+    assert choice.fs_strategy_for(local) is None  # and Run:ai follows the variable
 
 
 def _mapped_here(directory: Path) -> set[str]:
@@ -277,13 +283,13 @@ def test_an_embedded_cuda_load_reads_through_mappings_unless_set_otherwise(check
 
 
 def test_what_the_daemon_reports_it_reads_local_dirs_with(monkeypatch, tmp_path):
-    assert mapped.local_reader_in_force() == "mapped"
-    assert mapped.local_reader_in_force("runai") == "runai (STREAMER_LOCAL_READER=runai)"
+    assert choice.local_reader_in_force() == "mapped"
+    assert choice.local_reader_in_force("runai") == "runai (STREAMER_LOCAL_READER=runai)"
     monkeypatch.setenv("RUNAI_STREAMER_FS_STRATEGY", "io_uring_direct")
-    assert mapped.local_reader_in_force() == "runai (RUNAI_STREAMER_FS_STRATEGY is set)"
+    assert choice.local_reader_in_force() == "runai (RUNAI_STREAMER_FS_STRATEGY is set)"
     monkeypatch.delenv("RUNAI_STREAMER_FS_STRATEGY")
     monkeypatch.setattr(mapped, "_copier", None)  # as where the extension did not build
-    assert mapped.local_reader_in_force() == (
+    assert choice.local_reader_in_force() == (
         "runai (the native copier is not built: reinstall streamer-service with a C compiler)"
     )
     assert reader_for(parse_uri(tmp_path)) is NativeReader

@@ -110,7 +110,7 @@ def shm_root():
 
 
 def test_ring_and_resident_copy_are_charged_to_the_daemon_not_the_ranks(cgroups, sample, shm_root):
-    from streamer_service.catalog import build_catalog
+    from streamer_service.checkpoint.catalog import build_catalog
     from streamer_service.settings import Settings
     from streamer_service.storage import open_storage
     from streamer_service.uri import parse_uri

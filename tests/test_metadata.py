@@ -20,8 +20,8 @@ from streamer_client.errors import (
     StorageUnavailableError,
     UnsafeKeyError,
 )
-from streamer_service.lock import FileLock
-from streamer_service.metadata import MARKER, Marker, MetadataCache, is_weight, safe_relative_path
+from streamer_service.metadata.lock import FileLock
+from streamer_service.metadata.cache import MARKER, Marker, MetadataCache, is_weight, safe_relative_path
 from streamer_service.settings import Settings
 from streamer_service.uri import parse_uri
 
@@ -281,7 +281,7 @@ def test_waiting_puller_logs_and_times_out(backend, model, caplog):
     cache.root.mkdir(parents=True, exist_ok=True)
     lock_path = cache.lock_path(parse_uri(model))
     holder = FileLock(lock_path, timeout_s=1, log_interval_s=1, what="test")
-    with holder, caplog.at_level(logging.INFO, logger="streamer_service.lock"):
+    with holder, caplog.at_level(logging.INFO, logger="streamer_service.metadata.lock"):
         with pytest.raises(CacheLockTimeoutError) as info:
             cache.pull(model)
     assert str(lock_path) in str(info.value) and parse_uri(model).normalized in str(info.value)
@@ -328,7 +328,7 @@ def test_a_metadata_file_over_the_cap_fails_naming_it_before_any_download(backen
 
 def test_a_forced_pull_skipped_in_the_same_launch_says_so(backend, model, caplog):
     pull_metadata(model)
-    with caplog.at_level(logging.INFO, logger="streamer_service.metadata"):
+    with caplog.at_level(logging.INFO, logger="streamer_service.metadata.cache"):
         pull_metadata(model, force=True)  # same parent process as the first pull: the same launch
         pull_metadata(model, force=True, launch_id="job-7")  # a new launch: pulls, then skips
         pull_metadata(model, force=True, launch_id="job-7")

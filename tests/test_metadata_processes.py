@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from streamer_service.metadata import MARKER, MetadataCache
+from streamer_service.metadata.cache import MARKER, MetadataCache
 from streamer_service.settings import Settings
 from streamer_service.uri import parse_uri
 

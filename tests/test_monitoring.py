@@ -24,7 +24,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from daemon_harness import DaemonProcess, finish
-from streamer_service.scrape import MetricsListener
+from streamer_service.daemon.scrape import MetricsListener
 
 ROOT = Path(__file__).resolve().parent.parent
 MONITORING = ROOT / "deploy" / "monitoring"
@@ -95,7 +95,7 @@ def scraped(tmp_path_factory) -> dict:
 
 
 def _union_bytes(src: Path) -> int:
-    from streamer_service.catalog import build_catalog
+    from streamer_service.checkpoint.catalog import build_catalog
     from streamer_service.settings import Settings
     from streamer_service.storage import open_storage
     from streamer_service.uri import parse_uri

@@ -37,7 +37,7 @@ def test_serve_writes_json_lines_at_the_configured_level_without_secrets(tmp_pat
         assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}\+00:00", r["time"])
     assert any(r["level"] == "DEBUG" for r in records)
     serving = next(r for r in records if r["message"].startswith("serving on unix socket"))
-    assert serving["logger"] == "streamer_service.server" and serving["socket"] == str(tmp_path / "daemon.sock")
+    assert serving["logger"] == "streamer_service.daemon.server" and serving["socket"] == str(tmp_path / "daemon.sock")
     assert any(r["logger"].startswith("uvicorn") for r in records)  # uvicorn's records in our format
     settings = next(r for r in records if r["message"].startswith("settings: "))
     assert json.loads(settings["message"].removeprefix("settings: "))["token"] == "**********"

@@ -9,8 +9,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from streamer_client.errors import ConfigError, SelectionError
-from streamer_service.header import TensorInfo
-from streamer_service.plan import Batch, BatchKind, FileRange, Part, Plan, build_plan, in_parts, select, union_order
+from streamer_service.checkpoint.header import TensorInfo
+from streamer_service.checkpoint.plan import Batch, BatchKind, FileRange, Part, Plan, build_plan, in_parts, select, union_order
 
 
 def tensor(name: str, offset: int, nbytes: int, file: str = "a.safetensors", dtype: str = "U8") -> TensorInfo:

@@ -92,7 +92,7 @@ def test_shm_smaller_than_the_budget_is_a_config_error_not_a_sigbus(sample, tmp_
 _MAPPING_REFUSED = """
 import resource, sys
 from pathlib import Path
-from streamer_service.shm import Segment
+from streamer_service.daemon.shm import Segment
 vm = int(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmSize:"))) * 1024
 resource.setrlimit(resource.RLIMIT_AS, (vm + 32 * 2**20, resource.RLIM_INFINITY))  # room for 32 MiB more
 try:

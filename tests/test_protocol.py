@@ -49,7 +49,7 @@ def test_paths():
 def test_daemon_stats_parse_back_from_their_json():
     """The demo and the benchmarks read another daemon's /v1/stats as DaemonStats: the JSON
     (the public contract) and the dataclasses must say the same, ranks and resident copies too."""
-    from streamer_service.stats import DaemonStats, RankSummary, ResidentStats, SessionSummary
+    from streamer_service.daemon.stats import DaemonStats, RankSummary, ResidentStats, SessionSummary
 
     ranks = {0: RankSummary("done", 10, 10), 1: RankSummary("failed", 5, 0, error="could not map")}
     ended = SessionSummary("id1", "launch:uri", "s3://b/m", "failed", 2, 15, 0, None, ranks, "rank 1 failed: could not map")
@@ -60,3 +60,26 @@ def test_daemon_stats_parse_back_from_their_json():
     )  # fmt: skip
     body = json.loads(json.dumps(stats.to_json()))  # as it comes over HTTP: rank keys become strings
     assert DaemonStats.from_json(body) == stats
+
+
+def test_request_bodies_have_the_fields_the_daemon_validates():
+    from streamer_service.daemon import api
+
+    for name, wire_fields in protocol.request_fields().items():
+        assert tuple(getattr(api, name).model_fields) == wire_fields, name
+
+
+def test_request_bodies_are_accepted_by_the_daemon_as_the_client_builds_them():
+    from streamer_service.daemon import api
+
+    bodies = [
+        protocol.MetadataRequest("s3://b/m", None, "launch"),
+        protocol.JoinRequest(uri="s3://b/m", session="k", rank=1, world_size=2, select=["a."], priority=None, launch_id="l"),
+        protocol.NextRequest([0, 1], 0.5),
+        protocol.LeaveRequest("RuntimeError: boom"),
+        protocol.LeaveRequest(),
+    ]
+    for body in bodies:
+        parsed = getattr(api, type(body).__name__).model_validate(json.loads(json.dumps(body.to_wire())))
+        assert parsed.model_dump() == body.to_wire()
+    assert protocol.MetadataReply.from_wire(_wire(protocol.MetadataReply("/cache/x"))) == protocol.MetadataReply("/cache/x")

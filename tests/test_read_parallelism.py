@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from streamer_client.errors import SettingsError
-from streamer_service.runai import read_parallelism_in_force, storage_environment
+from streamer_service.readers.runai import read_parallelism_in_force, storage_environment
 from streamer_service.settings import Settings
 
 

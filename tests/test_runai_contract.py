@@ -23,8 +23,9 @@ import numpy as np
 import pytest
 
 from streamer_client.errors import ConfigError, ObjectChangedError, StorageError
-from streamer_service import runai
-from streamer_service.runai import FileReads, NativeReader, ReadRange, ResponseCode, contract
+from streamer_service.readers import runai
+from streamer_service.readers.base import FileReads, ReadRange
+from streamer_service.readers.runai import NativeReader, ResponseCode, contract
 
 PINNED = "0.17.0"
 
@@ -84,7 +85,7 @@ def _buffer(nbytes: int) -> np.ndarray:
 def test_every_distribution_is_the_pinned_version(distribution):
     assert runai.PINNED_VERSION == PINNED
     assert runai.installed_versions()[distribution] == PINNED, (
-        f"{distribution} is not {PINNED}: the native entry points in streamer_service/runai/ were "
+        f"{distribution} is not {PINNED}: the native entry points in streamer_service/readers/runai/ were "
         "written against it; re-check them and this file before moving the pin"
     )
 
@@ -113,7 +114,7 @@ def _python(code: str, *args: str) -> str:
 
 def test_nothing_native_is_loaded_at_import():
     code = (
-        "import sys, streamer_service.runai, streamer_service.engine; "
+        "import sys, streamer_service.readers.runai, streamer_service.embedded.engine; "
         "print([m for m in sys.modules if m.startswith('runai_model_streamer')])"
     )
     assert _python(code) == "[]"
@@ -121,7 +122,8 @@ def test_nothing_native_is_loaded_at_import():
 
 _READ_WITHOUT_THE_PACKAGE = """
 import ctypes, json, mmap, sys
-from streamer_service.runai import FileReads, NativeReader, ReadRange
+from streamer_service.readers.base import FileReads, ReadRange
+from streamer_service.readers.runai import NativeReader
 path, size = sys.argv[1], int(sys.argv[2])
 buf = mmap.mmap(-1, size)
 with NativeReader(fs_strategy="sync_buffered") as reader:
@@ -153,7 +155,7 @@ def test_the_native_reader_runs_without_runai_packages_init(data_file, tmp_path)
 def test_a_wrapper_imported_already_is_the_one_used():
     code = (
         "import runai_model_streamer.libstreamer.libstreamer as wrapper; "
-        "from streamer_service.runai.contract import load_native; print(load_native() is wrapper)"
+        "from streamer_service.readers.runai.contract import load_native; print(load_native() is wrapper)"
     )
     assert _python(code) == "True"
 
@@ -310,11 +312,18 @@ def test_unknown_fs_strategy_is_refused_at_start(monkeypatch):
 
 
 def test_operator_fs_strategy_wins(monkeypatch, data_file):
-    # With the variable set our choice is not applied, so even a bogus one cannot fail.
-    monkeypatch.setenv(runai.FS_STRATEGY_ENV, "sync_buffered")
+    # With the variable set no strategy of ours is applied: Run:ai follows the variable.
+    from streamer_service.readers.choice import fs_strategy_for, open_reader
+    from streamer_service.uri import parse_uri
+
     path, data = data_file
+    uri = parse_uri(path.parent)
+    monkeypatch.delenv(runai.FS_STRATEGY_ENV, raising=False)
+    assert fs_strategy_for(uri) == runai.BUFFERED_FS_STRATEGY
+    monkeypatch.setenv(runai.FS_STRATEGY_ENV, "sync_buffered")
+    assert fs_strategy_for(uri) is None
     buf = _buffer(4096)
-    with NativeReader(fs_strategy="no_such_strategy") as reader:
+    with open_reader(uri, NativeReader) as reader:
         reader.submit([FileReads(str(path), (ReadRange(0, 4096, buf.ctypes.data),))], keepalive=buf)
         (result,) = reader.responses()
     assert result.error is None and buf.tobytes() == data[:4096]

@@ -20,7 +20,7 @@ import torch
 import streamer_client
 from checkpoints import ground_truth
 from daemon_harness import DaemonProcess
-from streamer_client.cuda import HostPinner
+from streamer_client.pinning import HostPinner
 from streamer_client.daemon import DaemonClient, _Receiver
 from streamer_client.dtypes import torch_dtype
 from streamer_client.segments import SegmentMaps, segment_maps

@@ -57,9 +57,11 @@ def pull_metadata(
             # The rank's TRTLLM_OBJECT_STORAGE_FORCE_PULL, as stream() sends it: the daemon's
             # environment is not the rank's: a forced stream() must not be served a stale config.
             force = Settings().if_given("force_pull") if force is None else force
-            body = {"uri": os.fspath(uri), "force": force, "launch_id": launch_id or _launch_id()}
-            return Path(client.call("/v1/metadata", body, read_timeout=None)["path"])
-    from ._embedded import pull_in_process
+            from . import protocol
+
+            body = protocol.MetadataRequest(os.fspath(uri), force, launch_id or _launch_id())
+            return Path(protocol.MetadataReply.from_wire(client.call(protocol.METADATA_PATH, body.to_wire(), read_timeout=None)).path)
+    from .in_process import pull_in_process
 
     return pull_in_process(uri, cache_dir=Path(cache_dir) if cache_dir is not None else None, force=force, launch_id=launch_id)
 
@@ -171,7 +173,7 @@ def stream(
 
         _warn_in_process_only(request, client)
         return daemon_stream(client, dataclasses.replace(request, launch_id=launch_id or _launch_id()))
-    from ._embedded import stream_in_process
+    from .in_process import stream_in_process
 
     return stream_in_process(request)
 

@@ -1,7 +1,7 @@
 """The process's native copier: threads that copy byte ranges between addresses (``_copier.c``).
 
 Used wherever bytes already in memory (a mapped file, a mapped daemon segment) go into a buffer
-of ours: the embedded engine's mapped reader of local files (``streamer_service.mapped``), and
+of ours: the embedded engine's mapped reader of local files (``streamer_service.readers.mapped``), and
 :mod:`streamer_client.delivery` (a rank's CPU tensors, and the pinned staging of its device
 copies). One pool per process, made on first use; a forked child makes its own.
 
@@ -18,10 +18,11 @@ Optional: the extension is built by ``pip install`` where a C compiler is presen
 from __future__ import annotations
 
 import os
-import threading
 from array import array
 from collections.abc import Sequence
 from typing import Any
+
+from .per_process import PerProcess
 
 try:
     from . import _copier
@@ -36,8 +37,9 @@ host while leaving CPUs for the loading thread and the DMA completions (docs/ben
 CHUNK_BYTES = 2 * 1024 * 1024  # 1 MiB: the same within noise; 4 MiB: slower
 POLL_MS = 500  # waits return to the interpreter this often, so Ctrl-C is handled
 
-_POOL: Any = None
-_LOCK = threading.Lock()
+# A forked child has none of the parent's copying threads: it makes its own pool on first use
+# (the parent's refuses to be used or stopped there, _copier.c).
+_POOL: PerProcess[Any] = PerProcess(lambda: _copier.pool(COPY_THREADS, CHUNK_BYTES))
 
 
 def available() -> bool:
@@ -47,22 +49,7 @@ def available() -> bool:
 
 def pool() -> Any:
     """The process's pool of copying threads (made on first use)."""
-    global _POOL
-    with _LOCK:
-        if _POOL is None:
-            _POOL = _copier.pool(COPY_THREADS, CHUNK_BYTES)
-        return _POOL
-
-
-def _forget_after_fork() -> None:
-    # A forked child has none of the parent's copying threads: it makes its own pool on first
-    # use (the parent's refuses to be used or stopped there, _copier.c).
-    global _POOL, _LOCK
-    _POOL = None
-    _LOCK = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_after_fork)
+    return _POOL.get()
 
 
 def submit(dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int]) -> int:

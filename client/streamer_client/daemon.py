@@ -1,7 +1,7 @@
 """Daemon mode: join the node daemon's load session, map its segments, yield tensors.
 
 The protocol is ``streamer_client.protocol`` (both sides import it; routes in
-``streamer_service/api.py``). Segments are files in the daemon's shm dir (its join reply says
+``streamer_service/daemon/api.py``). Segments are files in the daemon's shm dir (its join reply says
 where; ``STREAMER_SHM_DIR`` overrides that where the rank mounts the same dir elsewhere), mapped
 once per process and reused as the daemon recycles them (``segments``).
 
@@ -88,17 +88,14 @@ def daemon_stream(client: DaemonClient, request: StreamRequest) -> Iterator[tupl
     ``request.launch_id`` is resolved already."""
     device = resolve_device(request.device)
     cfg = Settings()
-    reply = client.call(
-        protocol.JOIN_PATH,
-        {
-            "uri": request.uri, "session": request.session_key, "rank": request.rank,
-            "world_size": request.world_size,
-            "select": list(request.select) if request.select is not None else None,
-            "priority": list(request.priority) if request.priority else None, "launch_id": request.launch_id,
-            "force": cfg.if_given("force_pull"),
-        },  # fmt: skip
-        read_timeout=None,  # blocks until every rank joined; the daemon enforces the join timeout
-    )
+    body = protocol.JoinRequest(
+        uri=request.uri, session=request.session_key, rank=request.rank, world_size=request.world_size,
+        select=list(request.select) if request.select is not None else None,
+        priority=list(request.priority) if request.priority else None, launch_id=request.launch_id,
+        force=cfg.if_given("force_pull"),
+    )  # fmt: skip
+    # Blocks until every rank joined; the daemon enforces the join timeout.
+    reply = client.call(protocol.JOIN_PATH, body.to_wire(), read_timeout=None)
     joined = JoinReply.from_wire(reply)
     shm_dir = cfg.if_given("shm_dir") or Path(joined.shm_dir)
     tensors = _Receiver(
@@ -156,7 +153,7 @@ class _Receiver:
                     pending = self._staging is None and self._copier.pending > 0
                 release, self._release[:] = list(self._release), []  # one list: callbacks append to it
                 reply = NextReply.from_wire(
-                    self._client.call(self._next, {"release": release, "wait_s": 0.0 if pending else POLL_WAIT_S})
+                    self._client.call(self._next, protocol.NextRequest(release, 0.0 if pending else POLL_WAIT_S).to_wire())
                 )
                 done = reply.done
                 # A reply holds whole batches, in order.
@@ -177,19 +174,19 @@ class _Receiver:
                         yield from self._lent(batch)
                     else:
                         yield from self._copied(batch)
-            self._client.call(self._leave, {})
+            self._client.call(self._leave, protocol.LeaveRequest().to_wire())
         except (GeneratorExit, errors.BorrowedTensorError):
             # Abandoned (the caller closed the iterator, or kept a borrowed view against its
             # lifetime): hand everything back now rather than holding segments until the daemon
             # reclaims this rank as silent.
             with contextlib.suppress(StreamerError):
-                self._client.call(self._leave, {})
+                self._client.call(self._leave, protocol.LeaveRequest().to_wire())
             raise
         except BaseException as exc:
             # Failed here (a segment it could not map, a copy that failed): the daemon counts this
             # rank as failed, not as delivered.
             with contextlib.suppress(StreamerError):
-                self._client.call(self._leave, {"error": f"{type(exc).__name__}: {exc}"[:4096]})
+                self._client.call(self._leave, protocol.LeaveRequest(f"{type(exc).__name__}: {exc}"[:4096]).to_wire())
             raise
         finally:
             try:

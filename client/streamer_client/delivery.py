@@ -1,6 +1,6 @@
 """Host bytes -> tensors: how both modes turn bytes in host memory into the tensors they yield.
 
-The embedded engine (``streamer_service.engine``) has its bytes in ring slots it read into; the
+The embedded engine (``streamer_service.embedded.engine``) has its bytes in ring slots it read into; the
 daemon client (:mod:`streamer_client.daemon`) has them in the daemon's mapped segments. Either
 way a tensor is delivered in one of these ways, each written once here:
 
@@ -37,7 +37,8 @@ from .dtypes import byte_view, tensor_over, torch_dtype
 from .leases import Leases
 
 if TYPE_CHECKING:
-    from .cuda import HostPinner, PinnedCopier
+    from .cuda import PinnedCopier
+    from .pinning import HostPinner
 
 __all__ = [
     "STAGING_SLOTS", "STAGING_SLOT_BYTES", "Staging", "copy_to_cpu", "empty", "lend", "over", "staging_pinned", "to_device",
@@ -121,7 +122,7 @@ class _StagingRing:
 
     def slots(self, device: torch.device) -> list[np.ndarray]:
         if self._slots is None:
-            from .cuda import HostPinner
+            from .pinning import HostPinner
 
             buffers = [np.frombuffer(mmap.mmap(-1, self.slot_bytes), dtype=np.uint8) for _ in range(self._count)]
             self._pinner = HostPinner()

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .errors import ConfigError
 
-__all__ = ["resolve_device"]
+__all__ = ["device_context", "resolve_device"]
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -27,3 +29,12 @@ def resolve_device(device: str | torch.device) -> torch.device:
     if index >= torch.cuda.device_count():
         raise ConfigError(f"device {device!r}: only {torch.cuda.device_count()} CUDA devices are visible")
     return torch.device("cuda", index)
+
+
+def device_context(device: torch.device | None) -> contextlib.AbstractContextManager:
+    """``device`` made current for CUDA runtime calls on this thread (``cudaHostRegister`` on a
+    worker thread, say): ``torch.cuda.device(device)`` for a CUDA device; nothing for ``None``
+    (the current device) or any other device."""
+    if device is None or getattr(device, "type", None) != "cuda":
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)

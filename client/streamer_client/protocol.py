@@ -1,13 +1,17 @@
-"""The daemon's wire format: one typed module that the daemon (``streamer_service.api``) and the
+"""The daemon's wire format: one typed module that the daemon (``streamer_service.daemon.api``) and the
 client (``streamer_client.daemon``) both import, so the two sides cannot drift apart.
 
-Requests are JSON bodies (the daemon validates them with its own pydantic models); replies and
-errors are built and read here:
+Both directions are typed here: the client builds each request body with its class's
+``to_wire`` and reads each reply with ``from_wire``; the daemon validates request bodies with
+pydantic models of the same fields (plus their limits; a test compares the two) and builds its
+replies with ``to_wire``:
 
-- ``POST /v1/sessions/join`` -> :class:`JoinReply`
-- ``POST /v1/sessions/{id}/ranks/{rank}/next`` -> :class:`NextReply`, whose handles are
-  :class:`Handle` s (a JSON array each: the positional form keeps a reply of 8,192 handles small)
-- ``POST /v1/sessions/{id}/ranks/{rank}/leave`` -> ``{"left": bool}``
+- ``POST /v1/metadata``: :class:`MetadataRequest` -> :class:`MetadataReply`
+- ``POST /v1/sessions/join``: :class:`JoinRequest` -> :class:`JoinReply`
+- ``POST /v1/sessions/{id}/ranks/{rank}/next``: :class:`NextRequest` -> :class:`NextReply`, whose
+  handles are :class:`Handle` s (a JSON array each: the positional form keeps a reply of 8,192
+  handles small)
+- ``POST /v1/sessions/{id}/ranks/{rank}/leave``: :class:`LeaveRequest` -> ``{"left": bool}``
 - an error: ``{"error": {"type", "message", "uri", "key"}}`` with the class name from
   :mod:`streamer_client.errors`, which the client raises again (:func:`error_from_body`).
 
@@ -16,7 +20,7 @@ Nothing here needs torch, numpy or httpx.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from . import errors
@@ -24,20 +28,82 @@ from .errors import DaemonError, StreamerError
 
 __all__ = [
     "JOIN_PATH",
+    "METADATA_PATH",
     "Handle",
     "JoinReply",
+    "JoinRequest",
+    "LeaveRequest",
+    "MetadataReply",
+    "MetadataRequest",
     "NextReply",
+    "NextRequest",
     "error_body",
     "error_from_body",
     "rank_path",
+    "request_fields",
 ]
 
 JOIN_PATH = "/v1/sessions/join"
+METADATA_PATH = "/v1/metadata"
 
 
 def rank_path(session_id: str, rank: int, action: str) -> str:
     """The path of a rank's ``next`` or ``leave`` request."""
     return f"/v1/sessions/{session_id}/ranks/{rank}/{action}"
+
+
+class _Body:
+    """A request body: its fields, as JSON."""
+
+    def to_wire(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class MetadataRequest(_Body):
+    uri: str
+    force: bool | None = None  # the caller's force-pull; None: the daemon's setting
+    launch_id: str | None = None
+
+
+@dataclass(frozen=True)
+class MetadataReply:
+    path: str  # the node-cache directory of the pulled metadata
+
+    def to_wire(self) -> dict:
+        return {"path": self.path}
+
+    @classmethod
+    def from_wire(cls, data: dict) -> MetadataReply:
+        return cls(data["path"])
+
+
+@dataclass(frozen=True)
+class JoinRequest(_Body):
+    uri: str
+    session: str  # the session key the node's ranks of one load share
+    rank: int
+    world_size: int
+    select: list[str] | None = None
+    priority: list[str] | None = None
+    launch_id: str | None = None
+    force: bool | None = None  # TRTLLM_OBJECT_STORAGE_FORCE_PULL of the rank; None: the daemon's
+
+
+@dataclass(frozen=True)
+class NextRequest(_Body):
+    release: list[int]  # batches this rank is done with
+    wait_s: float  # how long the daemon may wait for a batch to be ready
+
+
+@dataclass(frozen=True)
+class LeaveRequest(_Body):
+    error: str | None = None  # the rank failed with this (None: done, or abandoning)
+
+
+def request_fields() -> dict[str, tuple[str, ...]]:
+    """Each request body's field names, by class name (the daemon's models have the same)."""
+    return {cls.__name__: tuple(f.name for f in fields(cls)) for cls in (MetadataRequest, JoinRequest, NextRequest, LeaveRequest)}
 
 
 @dataclass(frozen=True)

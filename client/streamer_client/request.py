@@ -2,7 +2,7 @@
 
 The one declared entry point between the public API and the two ways of loading: the daemon
 client (``streamer_client.daemon.daemon_stream``) and in-process mode
-(``streamer_service.embedded.stream``) each take a :class:`StreamRequest`, instead of a dozen
+(``streamer_service.embedded.backend.stream``) each take a :class:`StreamRequest`, instead of a dozen
 keyword arguments passed along twice.
 """
 

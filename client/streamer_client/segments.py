@@ -72,14 +72,6 @@ def map_segment(path: Path, *, private: bool = False, populate: bool = False) ->
     return mapping, (st.st_dev, st.st_ino, st.st_size)
 
 
-def _current(device) -> contextlib.AbstractContextManager:
-    if device is None or getattr(device, "type", "cuda") != "cuda":  # tests over a fake runtime
-        return contextlib.nullcontext()
-    import torch
-
-    return torch.cuda.device(device)
-
-
 def _identity(path: Path) -> tuple[int, int, int] | None:
     try:
         st = os.stat(path)
@@ -115,7 +107,7 @@ class MapStats:
 class SegmentMaps:
     """The segments of one shm dir mapped in this process (see the module docstring).
 
-    ``pinner``: a :class:`streamer_client.cuda.HostPinner` (tests pass one over a fake runtime);
+    ``pinner``: a :class:`streamer_client.pinning.HostPinner` (tests pass one over a fake runtime);
     made on first registration otherwise.
     """
 
@@ -179,12 +171,13 @@ class SegmentMaps:
             return entry.pinning
 
     def _register(self, entry: MappedSegment, device) -> bool:
-        from .cuda import HostPinner
+        from .devices import device_context
+        from .pinning import HostPinner
 
         if self._pinner is None:
             self._pinner = HostPinner()
         start = time.perf_counter()
-        with _current(device):  # a thread of ours: make the copies' device current for the runtime
+        with device_context(device):  # a thread of ours: make the copies' device current for the runtime
             pinned = self._pinner.pin(entry.address, entry.array.nbytes, read_only=True)
         self.stats.register_seconds += time.perf_counter() - start
         self.stats.pinned += pinned

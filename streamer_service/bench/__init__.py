@@ -59,7 +59,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _config(args: argparse.Namespace, work: Path):
     from streamer_client.settings import byte_size
 
-    from ..engine import BUFFERED_FS_STRATEGY
+    from ..readers.runai import BUFFERED_FS_STRATEGY
     from .ranks import Mode
     from .runner import BenchConfig
     from .scenarios import Scenario

@@ -129,8 +129,8 @@ def _preload(mode: Mode) -> None:
     elif mode is Mode.EMBEDDED:
         import streamer_client  # noqa: F401
 
-        from .. import embedded  # noqa: F401
-        from ..runai.contract import load_native
+        from ..embedded import embedded  # noqa: F401
+        from ..readers.runai.contract import load_native
 
         load_native()  # Run:ai's native library, as A's import of runai_model_streamer opens it
     else:

@@ -18,9 +18,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..checkpoint import open_checkpoint
+from ..checkpoint.open import open_checkpoint
 from ..sample import build_sample
-from ..server import ChildDaemon
+from ..daemon.server import ChildDaemon
 from ..settings import Settings
 from ..uri import parse_uri
 from .measure import Sampler, read_io

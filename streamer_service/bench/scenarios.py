@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 
-from ..header import TensorInfo
+from ..checkpoint.header import TensorInfo
 from ..sample import rank_selection
 
 __all__ = ["Scenario", "selections"]

@@ -21,6 +21,7 @@ from typing import Any
 from ..errors import ConfigError
 
 __all__ = [
+    "LOAD_FORMAT",
     "LoaderOptions",
     "NodeRanks",
     "agree_on_node",
@@ -32,6 +33,9 @@ __all__ = [
     "torch_all_gather",
     "weight_names",
 ]
+
+# The load format our vLLM loader registers under (``--load-format streamer``).
+LOAD_FORMAT = "streamer"
 
 OBJECT_SCHEMES = ("s3://", "gs://", "az://")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")

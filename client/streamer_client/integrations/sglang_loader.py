@@ -5,7 +5,7 @@ Written against sgl-project/sglang ``python/sglang/srt/model_loader/loader.py`` 
 ``load_model(*, model_config, device_config)``, and ``DefaultModelLoader.load_model``'s steps
 (``_get_quantization_config``, ``_initialize_model`` under ``set_default_torch_dtype`` and the
 target device, ``load_weights_and_postprocess``), which this follows with the weights from
-:func:`.vllm.weights_iterator`. SGLang's tensor-parallel ranks each narrow full tensors, so every
+:func:`.weights.weights_iterator`. SGLang's tensor-parallel ranks each narrow full tensors, so every
 rank streams every tensor; through the daemon the node reads each byte once. Ranks and one session
 key come from SGLang's world group (``sglang.srt.distributed``). SGLang is not installed here
 (its kernels need CUDA): tests/test_engine_interfaces.py pins that interface.
@@ -26,7 +26,7 @@ from sglang.srt.model_loader.utils import set_default_torch_dtype
 
 from .. import pull_metadata
 from ._engine import LoaderOptions, agree_on_node, source_uri, torch_all_gather
-from .vllm import weights_iterator
+from .weights import weights_iterator
 
 __all__ = ["StreamerModelLoader"]
 

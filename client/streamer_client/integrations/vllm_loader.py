@@ -35,8 +35,8 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.model_executor.model_loader.ep_weight_filter import should_skip_weight
 
 from .. import pull_metadata
-from ._engine import LoaderOptions, NodeRanks, agree_on_node, is_object_uri, select_names, weight_names
-from .vllm import LOAD_FORMAT, weights_iterator
+from ._engine import LOAD_FORMAT, LoaderOptions, NodeRanks, agree_on_node, is_object_uri, select_names, weight_names
+from .weights import weights_iterator
 
 # Under "vllm." so that vLLM's own log handler prints it.
 logger = init_logger("vllm.streamer_loader")

@@ -1,0 +1,413 @@
+"""The node daemon's state: sessions by key, the shared-memory budget, the reaper.
+
+The HTTP layer (``api``) is a thin shell over :class:`Daemon`; tests and the
+demo can drive the same object through it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from streamer_client.errors import SessionError, StreamerError
+
+from ..access import AllowList, file_mode
+from ..checkpoint.open import open_checkpoint
+from ..readers.choice import reader_for
+from ..metadata.cache import MetadataCache
+from .metrics import Metrics, build_info
+from ..checkpoint.plan import select as select_tensors
+from .process import ProcessWatch
+from .resident import ResidentStore
+from ..readers.runai import check_credentials, storage_environment
+from .ledger import UNFINISHED, RankStatus
+from .session import Session, SessionState
+from ..settings import Settings
+from .pages import small_pages_advice
+from .shm import SegmentPool, SegmentStore, ShmBudget
+from ..sizing import first_ring_slots, in_flight_bytes, slot_bytes
+from .stats import DaemonStats, SessionSummary
+from ..uri import StorageURI
+from ..checkpoint.versions import ObjectVersions
+
+__all__ = ["Daemon"]
+
+log = logging.getLogger(__name__)
+
+_REAP_INTERVAL_S = 0.5
+_ENDED_KEPT = 256  # how many ended sessions' outcomes are remembered (rejoins, late requests)
+
+
+@dataclass
+class _Refusal:
+    """A rank of a group was refused at its join: the rest of the group is told at once."""
+
+    rank: int
+    error: SessionError
+    untold: set[int]  # ranks of the group not yet told
+    until: float
+
+
+@dataclass(frozen=True)
+class EndedSession:
+    """What the daemon remembers of a session that ended, for a rank that asks after it."""
+
+    id: str
+    key: str
+    error: StreamerError | None
+    done: frozenset[int] = field(default_factory=frozenset)  # ranks that received everything
+
+    def next(self, rank: int, release: Sequence[int], wait_s: float):
+        if self.error is not None:  # a rank asking after its session failed learns why, not just "gone"
+            raise type(self.error)(self.error.message, uri=self.error.uri, key=self.error.key)
+        if rank in self.done:  # e.g. a load of zero tensors, over before its ranks first asked
+            return [], True
+        raise SessionError(f"unknown or finished session {self.id!r}")
+
+    def leave(self, rank: int, error: str | None = None) -> None:
+        """Leaving is idempotent."""
+
+
+def _remember(memory: dict, key, value) -> None:
+    """``memory[key] = value``, forgetting the oldest entries beyond ``_ENDED_KEPT``."""
+    memory[key] = value
+    while len(memory) > _ENDED_KEPT:
+        del memory[next(iter(memory))]
+
+
+class Daemon:
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.budget = ShmBudget(int(settings.shm_budget))
+        # At least four slots fit the budget, so loading, delivery and release overlap (``sizing``).
+        self.slot_size = slot_bytes(int(settings.shm_budget), int(settings.slot_size))
+        self.in_flight = in_flight_bytes(settings.target_gbps, self.slot_size, int(settings.shm_budget))
+        self.sessions: dict[str, Session] = {}  # by key, while joining or streaming
+        # Ranks of recently ended sessions that did not receive everything, by key: their rejoin is
+        # served on its own instead of waiting for a whole new group.
+        self._unfinished: dict[str, set[int]] = {}
+        self._ended_sessions: dict[str, EndedSession] = {}  # recently ended sessions, by id
+        self._refusals: dict[str, _Refusal] = {}  # by session key
+        self._rejoins = 0
+        self.resident = ResidentStore(int(settings.retention_budget))
+        self.finished: list[SessionSummary] = []  # ended sessions, newest last (bounded)
+        self.bytes_read = 0
+        self._lock = threading.Lock()
+        self._opening: dict[str, threading.Lock] = {}
+        self._stop = threading.Event()
+        self.stopping = False  # the daemon tells its ranks it stops, then stops serving
+        self._reaper: threading.Thread | None = None
+        self.reaper_stopped: str | None = None  # why the reaper thread ended, if it ever does
+        self.store: SegmentStore | None = None
+        self.pool: SegmentPool | None = None
+        self.allow = AllowList(settings.allow)
+        self.metrics = Metrics(self.stats, build=build_info(settings.build_revision))
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self.store = SegmentStore(Path(self.settings.shm_dir), file_mode(self.settings))
+        self.store.open()  # sweeps what daemons that are gone left behind
+        self.pool = SegmentPool(self.store, self.budget, self.settings.segment_idle_s)
+        if self.settings.segment_prepare and self.settings.segment_idle_s > 0 and not self.resident.enabled:
+            # The first load's ring, made now: a fresh daemon's first load otherwise pays the
+            # zero-fill and mapping of every segment on its own thread (docs/deploy.md).
+            self.pool.start_preparing(self.slot_size, first_ring_slots(self.budget.limit, self.slot_size, self.in_flight))
+        if self.allow.any:
+            log.warning("no --allow prefixes: this daemon will read any URI its credentials reach")
+        self._reaper = threading.Thread(target=self._reap_supervised, name="reaper", daemon=True)
+        self._reaper.start()
+        threading.Thread(target=_preload_native_reader, name="runai-preload", daemon=True).start()
+        pages = self.store.pages
+        log.info(
+            "daemon ready: shm %s (budget %d bytes, slots of %d, at most %d bytes in flight for %d Gbit/s, %d KiB pages: %s), cache %s",
+            self.store.shm_dir, self.budget.limit, self.slot_size, self.in_flight, self.settings.target_gbps,
+            pages.size // 1024, pages.source, self.settings.cache_dir,
+        )  # fmt: skip
+        if not pages.huge:
+            log.warning("%s", small_pages_advice(self.store.shm_dir, pages))
+
+    def tell_stopping(self) -> None:
+        """Refuse new joins, stop every session (reads in flight drain, nothing new is read) and
+        answer each rank's next request ``SessionError`` "the daemon is stopping"; wait until every
+        rank still reading was told, or ``STREAMER_STOP_GRACE_S`` passed, before the sessions give
+        their segments back. Called while the API still serves, before it stops."""
+        with self._lock:
+            if self.stopping:
+                return
+            self.stopping = True
+            sessions = list(self.sessions.values())
+        grace = self.settings.stop_grace_s
+        log.info("stopping: telling the ranks of %d sessions (for up to %g s)", len(sessions), grace)
+        for session in sessions:
+            session.cancel("the daemon is stopping", tell_s=grace)
+        deadline = time.monotonic() + grace + 10.0  # and the reads in flight drain
+        for session in sessions:
+            if not session.wait_ended(max(deadline - time.monotonic(), 0.0)):
+                log.warning("session %s did not stop within %g s; its segments may remain", session.key, grace + 10.0)
+
+    def stop(self) -> None:
+        """:meth:`tell_stopping` (where the API did not already), then give back the pool's
+        segments and the resident copies."""
+        self.tell_stopping()
+        self._stop.set()
+        if self._reaper is not None:
+            self._reaper.join(timeout=5)
+        if self.pool is not None:
+            self.pool.close()
+        self.resident.close()
+        if self.store is not None:
+            self.store.close()
+
+    def reaper_alive(self) -> bool:
+        return self._reaper is not None and self._reaper.is_alive()
+
+    def _reap_supervised(self) -> None:
+        try:
+            self._reap_loop()
+        except BaseException as exc:  # noqa: BLE001 - whatever ends the reaper is reported, never silent
+            self.reaper_stopped = f"the reaper stopped ({type(exc).__name__}: {exc})"
+            log.critical(
+                "%s: dead ranks are no longer reclaimed and idle segments no longer trimmed; /readyz says not ready",
+                self.reaper_stopped, exc_info=True,
+            )  # fmt: skip
+
+    def _reap_loop(self) -> None:
+        while not self._stop.wait(_REAP_INTERVAL_S):
+            with self._lock:
+                sessions = list(self.sessions.values())
+            now = time.monotonic()
+            for session in sessions:
+                session.reap(now, self.settings.rank_timeout_s)
+            self.pool.trim(now)
+
+    # ------------------------------------------------------------------ requests
+
+    def check_allowed(self, uri: str) -> StorageURI:
+        return self.allow.check(uri)
+
+    def pull(self, uri: str, *, force: bool | None, launch_id: str | None) -> Path:
+        parsed = self.check_allowed(uri)
+        cache = MetadataCache(self.settings)
+        path = cache.pull(parsed, force=force, launch_id=launch_id)
+        self.metrics.metadata.labels(result="miss" if cache.downloads else "hit").inc()
+        return path
+
+    def join(
+        self,
+        *,
+        uri: str,
+        key: str,
+        rank: int,
+        world_size: int,
+        select: Sequence[str] | None,
+        priority: Sequence[str] | None,
+        launch_id: str | None,
+        force: bool | None = None,
+        peer_pid: int | None = None,
+    ) -> Session:
+        """Join ``rank`` to the group's session ``key``; ``peer_pid``: the rank's process, where
+        the unix socket tells it. Returns once the rank is in the session, without waiting for the
+        others: ``Session.on_joined``, then ``Session.joined``."""
+        self._refuse_if_stopping(key, rank, uri)
+        self._told_of_refusal(key, rank)
+        try:
+            parsed, checkpoint, chosen = self._admit(uri, rank, world_size, select, priority, launch_id, force)
+        except StreamerError as exc:
+            self._refuse(key, rank, world_size, exc)
+            raise
+        return self._join_session(key, rank, world_size, parsed, checkpoint, chosen, priority, peer_pid)
+
+    def _admit(self, uri, rank, world_size, select, priority, launch_id, force):
+        """Everything a join can be refused for, checked before a session exists: a refused join
+        must not leave an empty session behind."""
+        parsed = self.check_allowed(uri)
+        if world_size < 1:
+            raise SessionError(f"world_size must be at least 1, got {world_size}")
+        # Ranks join at once: one of them reads the headers, the others take the cached catalog.
+        with self._lock:
+            opening = self._opening.setdefault(parsed.cache_key, threading.Lock())
+        with opening:
+            checkpoint = open_checkpoint(parsed, self.settings, force=force, launch_id=launch_id)
+        check_credentials(parsed, self.settings)
+        if not 0 <= rank < world_size:
+            raise SessionError(f"rank {rank} is outside world_size {world_size}", uri=parsed.normalized)
+        return parsed, checkpoint, select_tensors(checkpoint.catalog.tensors, select, priority)
+
+    def _refuse(self, key: str, rank: int, world_size: int, exc: StreamerError) -> None:
+        """Rank ``rank`` of group ``key`` was refused: fail the group's joining session now and
+        tell the ranks that have not joined yet when they do."""
+        error = SessionError(
+            f"rank {rank} of session {key!r} was refused ({type(exc).__name__}: {exc.message}); "
+            "the other ranks cannot load without it",
+            uri=exc.uri,
+            key=exc.key,
+        )
+        with self._lock:
+            session = self.sessions.get(key)
+            told = set(session.ranks) if session is not None and session.state is SessionState.JOINING else set()
+            untold = set(range(max(world_size, 1))) - told - {rank}
+            if untold:
+                until = time.monotonic() + self.settings.join_timeout_s
+                self._refusals[key] = _Refusal(rank, error, untold, until)
+        if told:
+            session.refuse(error)
+
+    def _told_of_refusal(self, key: str, rank: int) -> None:
+        """Raise the refusal of another rank of this group, once per rank; a refused rank that
+        tries again starts over."""
+        with self._lock:
+            now = time.monotonic()
+            for k in [k for k, r in self._refusals.items() if r.until < now]:
+                del self._refusals[k]
+            refusal = self._refusals.get(key)
+            if refusal is None:
+                return
+            if rank == refusal.rank:
+                del self._refusals[key]
+                return
+            if rank not in refusal.untold:
+                return
+            refusal.untold.discard(rank)
+            if not refusal.untold:
+                del self._refusals[key]
+        error = refusal.error  # a copy per rank: ranks raise it in threads of their own
+        raise SessionError(error.message, uri=error.uri, key=error.key)
+
+    def _join_session(self, key, rank, world_size, parsed, checkpoint, chosen, priority, peer_pid) -> Session:
+        deadline = time.monotonic() + self.settings.rank_timeout_s + 4 * _REAP_INTERVAL_S
+        while True:
+            with self._lock:
+                self._refuse_if_stopping(key, rank, parsed.normalized)  # under the lock tell_stopping takes
+                session = self.sessions.get(key)
+                if session is not None and session.checkpoint.uri != parsed:
+                    raise SessionError(
+                        f"session {key!r} is loading {session.checkpoint.uri}, not {parsed.normalized}", uri=parsed.normalized
+                    )
+                if self._rejoining(key, session, rank):
+                    self._rejoins += 1
+                    log.info("rank %d rejoins %s: a session of its own, from memory where it can", rank, key)
+                    session = self._new_session(f"{key}#rank{rank}.{self._rejoins}", checkpoint, world_size, rejoin=(key, rank))
+                    self.sessions[session.key] = session
+                    break
+                if session is None or session.state in (SessionState.DONE, SessionState.FAILED):
+                    session = self._new_session(key, checkpoint, world_size)
+                    self.sessions[key] = session
+                    break
+                if session.state is SessionState.JOINING or rank not in session.ranks:
+                    break
+            # The rank is loading already: a restarted process whose old self the reaper has not
+            # reclaimed yet, or a second process with the same rank. Wait for the reaper.
+            if time.monotonic() > deadline:
+                raise SessionError(
+                    f"rank {rank} is still loading in session '{key}' ({parsed.normalized}); "
+                    "two processes cannot be the same rank (a dead one is reclaimed after "
+                    f"STREAMER_RANK_TIMEOUT_S = {self.settings.rank_timeout_s:g} s)",
+                    uri=parsed.normalized,
+                )
+            time.sleep(_REAP_INTERVAL_S / 2)
+        session.add(rank, world_size, chosen, priority, ProcessWatch.of(peer_pid))
+        return session
+
+    def _refuse_if_stopping(self, key: str, rank: int, uri: str) -> None:
+        if self.stopping:
+            raise SessionError(f"session {key!r}: rank {rank} cannot join: the daemon is stopping", uri=uri)
+
+    def _rejoining(self, key: str, session: Session | None, rank: int) -> bool:
+        """Whether ``rank`` comes back to a load it did not finish (the others did, or still load)."""
+        state = session.ranks.get(rank) if session is not None else None
+        if session is not None and session.state is SessionState.STREAMING:
+            return state is not None and state.status is not RankStatus.ACTIVE
+        if session is not None and session.load_complete:  # ended, not yet reported
+            return state is not None and state.status in UNFINISHED
+        return session is None and rank in self._unfinished.get(key, ())
+
+    def _new_session(self, key: str, checkpoint, world_size: int, *, rejoin: tuple[str, int] | None = None) -> Session:
+        return Session(
+            key,
+            checkpoint,
+            world_size,
+            slot_size=self.slot_size,
+            in_flight=self.in_flight,
+            pool=self.pool,
+            join_timeout_s=self.settings.join_timeout_s,
+            on_end=self._ended,
+            resident=self.resident,
+            rejoin=rejoin,
+            storage_environment=storage_environment(self.settings),
+            versions=ObjectVersions.of(checkpoint, self.settings),
+            reader_factory=reader_for(checkpoint.uri, self.settings.local_reader),
+        )
+
+    def session(self, session_id: str) -> Session | EndedSession:
+        with self._lock:
+            for session in self.sessions.values():
+                if session.id == session_id:
+                    return session
+            ended = self._ended_sessions.get(session_id)
+        if ended is not None:
+            return ended
+        raise SessionError(f"unknown or finished session {session_id!r}")
+
+    def _ended(self, session: Session) -> None:
+        summary = session.summary()
+        union = set().union(*(r.names for r in session.ranks.values()))
+        self.metrics.session_ended(
+            summary,
+            session.checkpoint.uri.scheme.value,
+            session.stats.read_seconds,
+            unique_bytes=sum(t.nbytes for t in session.checkpoint.catalog.tensors if t.name in union),
+            times=session.times,
+            error=type(session.error).__name__ if session.error is not None else None,
+        )
+        with self._lock:
+            if self.sessions.get(session.key) is session:
+                del self.sessions[session.key]
+            if session.rejoin is None:
+                self._unfinished.pop(session.key, None)
+                left = {r.rank for r in session.ranks.values() if r.status in UNFINISHED}
+                if left and session.load_complete:
+                    _remember(self._unfinished, session.key, left)
+            elif session.state is SessionState.DONE and all(r.status is RankStatus.DONE for r in session.ranks.values()):
+                group, rank = session.rejoin  # caught up: its next join is its group's again
+                self._unfinished.get(group, set()).discard(rank)
+            self.bytes_read += session.stats.bytes_read
+            self.finished.append(summary)
+            del self.finished[:-64]
+            done = frozenset(r.rank for r in session.ranks.values() if r.received_everything)
+            _remember(self._ended_sessions, session.id, EndedSession(session.id, session.key, session.error, done))
+
+    def stats(self) -> DaemonStats:
+        with self._lock:  # summaries outside it: a session ending holds its own lock and takes this one
+            sessions = list(self.sessions.values())
+            finished = tuple(self.finished)
+        active = tuple(s.summary() for s in sessions)
+        return DaemonStats(
+            shm_budget=self.budget.limit,
+            shm_in_use=self.budget.in_use,
+            shm_peak=self.budget.peak,
+            shm_page_size=self.store.pages.size if self.store is not None else 0,
+            segments_idle=self.pool.idle,
+            segments_reused=self.pool.reused,
+            segments_prepared=self.pool.prepared,
+            bytes_read=self.bytes_read + sum(s.bytes_read for s in active),
+            resident=self.resident.stats(),
+            sessions=active,
+            finished=finished,
+        )
+
+
+def _preload_native_reader() -> None:
+    """Open Run:ai's native reader now, not in the first load. Since the wrapper is imported without
+    Run:ai's package ``__init__`` (``runai.contract``) this is a few milliseconds and no torch; it
+    was 2.3 s of a fresh daemon's first load on a 2-core VM (docs/benchmarks.md "Daemon first load")."""
+    from ..readers.runai.contract import load_native
+
+    try:
+        load_native()
+    except Exception as exc:  # noqa: BLE001 - the first load that needs it raises it as a ConfigError
+        log.debug("Run:ai's native reader not preloaded: %s", exc)

@@ -1,0 +1,210 @@
+"""The rank ledger of a session: which rank holds which batch (leases), release, reclaim.
+
+A batch published to the ranks that need tensors of it is leased to each of them; its buffer
+(``token``: the session's slot, or ``None`` for memory the session does not own) may be reused
+once every rank it was leased to has released it, left or been reclaimed. The ledger says when:
+:meth:`RankLedger.release`, :meth:`~RankLedger.leave` and :meth:`~RankLedger.reclaim` return the
+tokens that nobody holds any more.
+
+Not thread-safe: the session calls it under its own lock. No I/O, no clock of its own.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from streamer_client.protocol import Handle
+
+from .process import ProcessWatch
+from .stats import RankSummary
+
+__all__ = ["RankLedger", "RankState", "RankStatus"]
+
+
+class RankStatus(enum.Enum):
+    ACTIVE = "active"
+    DONE = "done"  # received every tensor and left
+    LEFT = "left"  # left before receiving every tensor (abandoned)
+    FAILED = "failed"  # left with an error of its own (e.g. it could not map a segment)
+    RECLAIMED = "reclaimed"  # silent too long, or its process is gone
+
+
+UNFINISHED = (RankStatus.LEFT, RankStatus.FAILED, RankStatus.RECLAIMED)
+"""Ranks that did not receive everything: when they come back, they rejoin their group's load."""
+
+
+@dataclass(eq=False)
+class RankState:
+    rank: int
+    names: frozenset[str]
+    nbytes: int
+    queue: deque[Handle] = field(default_factory=deque)
+    outstanding: set[int] = field(default_factory=set)  # batches leased to this rank
+    to_hand_out: int = 0
+    delivered_bytes: int = 0
+    last_seen: float = 0.0
+    status: RankStatus = RankStatus.ACTIVE
+    error: str | None = None  # why the rank failed (RankStatus.FAILED)
+    asking: int = 0  # requests of this rank waiting for handles: it is not silent while it waits for us
+    process: ProcessWatch | None = None  # the rank's process, where the daemon can see it
+
+    @property
+    def received_everything(self) -> bool:
+        return self.status is RankStatus.DONE or (self.status is RankStatus.ACTIVE and not self.to_hand_out and not self.queue)
+
+    @property
+    def finished(self) -> bool:
+        """Nothing more to do for this rank: gone, or handed and released everything."""
+        return self.status is not RankStatus.ACTIVE or (not self.to_hand_out and not self.outstanding and not self.queue)
+
+    def gone(self) -> bool:
+        """Whether the rank's process is known to have exited."""
+        return self.process is not None and self.process.exited()
+
+    def stop_watching(self) -> None:
+        if self.process is not None:
+            self.process.close()
+            self.process = None
+
+    def summary(self) -> RankSummary:
+        return RankSummary(self.status.value, self.nbytes, self.delivered_bytes, self.error)
+
+
+class RankLedger:
+    """The ranks of one session and the batches leased to them."""
+
+    def __init__(self) -> None:
+        self.ranks: dict[int, RankState] = {}
+        self._leases: dict[int, tuple[int, Any]] = {}  # batch -> (ranks holding it, token)
+
+    def add(self, rank: int, names: frozenset[str], nbytes: int, count: int, process: ProcessWatch | None, now: float) -> RankState:
+        state = RankState(rank, names, nbytes, to_hand_out=count, last_seen=now, process=process)
+        self.ranks[rank] = state
+        return state
+
+    def drop(self, rank: int) -> None:
+        """Forget ``rank``, which never received anything (it went away while the others joined)."""
+        state = self.ranks.pop(rank, None)
+        if state is not None:
+            state.stop_watching()
+
+    def active(self) -> Iterator[RankState]:
+        return (r for r in self.ranks.values() if r.status is RankStatus.ACTIVE)
+
+    def any_active(self) -> bool:
+        return any(True for _ in self.active())
+
+    def all_finished(self) -> bool:
+        return all(r.finished for r in self.ranks.values())
+
+    def publish(self, index: int, handles: Sequence[Handle], token: Any, *, leased: bool = True) -> tuple[bool, bool]:
+        """Queue batch ``index``'s ``handles`` to every active rank, those of the tensors it selected; with
+        ``leased`` (the batch has bytes in a buffer) each such rank holds it until it releases it.
+        Returns whether any rank was handed some, and whether any holds it now (if not, its token
+        is free at once)."""
+        handed = False
+        holders = 0
+        for r in self.active():
+            mine = [h for h in handles if h.name in r.names]
+            if not mine:
+                continue
+            r.queue.extend(mine)
+            handed = True
+            if leased:
+                r.outstanding.add(index)
+                holders += 1
+        if holders:
+            self._leases[index] = (holders, token)
+        return handed, holders > 0
+
+    def take(self, state: RankState, max_handles: int, max_bytes: int) -> list[Handle]:
+        """The next handles for ``state``: whole batches only (the client releases every batch of a
+        reply once consumed), about ``max_bytes`` per reply, so that a rank polls (and shows it is
+        alive) as it consumes, however much is ready."""
+        handles: list[Handle] = []
+        nbytes = 0
+        queue = state.queue
+        while queue and ((len(handles) < max_handles and nbytes < max_bytes) or queue[0].batch == handles[-1].batch):
+            handle = queue.popleft()
+            handles.append(handle)
+            nbytes += handle.nbytes
+            state.delivered_bytes += handle.nbytes
+        state.to_hand_out -= len(handles)
+        return handles
+
+    def release(self, state: RankState, batches: Iterable[int]) -> list[Any]:
+        """``state`` is done with ``batches``; return the tokens nobody holds any more."""
+        freed = []
+        for index in batches:
+            if index not in state.outstanding:
+                continue
+            state.outstanding.discard(index)
+            holders, token = self._leases[index]
+            if holders > 1:
+                self._leases[index] = (holders - 1, token)
+            else:
+                del self._leases[index]
+                if token is not None:
+                    freed.append(token)
+        return freed
+
+    def leave(self, state: RankState, error: str | None = None) -> list[Any]:
+        """The rank is finished, abandons the load, or failed with ``error``."""
+        if state.status is not RankStatus.ACTIVE:
+            return []
+        complete = not state.to_hand_out and not state.queue
+        if error is not None:
+            status = RankStatus.FAILED
+        else:
+            status = RankStatus.DONE if complete else RankStatus.LEFT
+        return self._end(state, status, error)
+
+    def reclaim(self, now: float, rank_timeout_s: float) -> list[tuple[RankState, str, list[Any]]]:
+        """Reclaim active ranks whose process is gone or that were silent for longer than
+        ``rank_timeout_s`` (a rank waiting in a long-poll is not silent): ``(rank, why, freed tokens)``."""
+        out = []
+        for state in list(self.active()):
+            if state.gone():
+                why = "its process is gone"
+            elif not state.asking and now - state.last_seen > rank_timeout_s:
+                why = f"silent for {now - state.last_seen:.1f} s"
+            else:
+                continue
+            leases = len(state.outstanding)
+            out.append((state, f"{why}; reclaiming its {leases} leases", self._end(state, RankStatus.RECLAIMED)))
+        return out
+
+    def _end(self, state: RankState, status: RankStatus, error: str | None = None) -> list[Any]:
+        freed = self.release(state, list(state.outstanding))
+        state.queue.clear()
+        state.stop_watching()
+        state.status, state.error = status, error
+        return freed
+
+    def finish(self) -> None:
+        """The load is done: a rank still active has been handed and has released everything (it
+        had not said leave yet), so it is done; its summary must not say "active" once the session
+        has ended."""
+        for state in list(self.active()):
+            if state.finished:
+                self._end(state, RankStatus.DONE)
+
+    def clear(self) -> None:
+        """The session ended: its buffers go back whatever the ranks hold."""
+        self._leases.clear()
+        for r in self.ranks.values():
+            r.stop_watching()
+
+    def summary(self) -> dict[int, RankSummary]:
+        return {r.rank: r.summary() for r in self.ranks.values()}
+
+    def __repr__(self) -> str:
+        counts: dict[str, int] = {}
+        for r in self.ranks.values():
+            counts[r.status.value] = counts.get(r.status.value, 0) + 1
+        return f"RankLedger(ranks={counts}, leased_batches={len(self._leases)})"
+

@@ -1,0 +1,449 @@
+"""Load sessions: the ranks of one launch on this node, their union streamed once.
+
+A session is keyed by the client (default: launch id + URI). It waits for all
+``world_size`` ranks to join (who may join: ``roster``), plans the union of their
+selections, and streams it once through a reader into a bounded ring of shared-memory
+segments. Each loaded batch is published to the ranks that need tensors of it, as
+handles (``streamer_client.protocol.Handle``: batch, segment, offset, nbytes, name,
+dtype, shape and whether the segment is the batch's own); a segment is recycled
+when every rank that got handles into it has released them. A slow rank holds
+segments and so applies backpressure; nothing is ever fetched twice.
+
+Which rank holds which batch is the rank ledger's (``ledger``); which segment a
+batch lands in — a ring slot from the node's pool or a segment kept resident —
+is the session buffers' (``session_buffers``); reading is the pipeline's, through a
+reader built by ``reader_factory`` (``readers.choice.reader_for`` the URI; tests pass a fake
+one and drive a session in-process). This module is the state machine that
+ties them together, and the ranks' requests.
+
+A rank whose process is gone, or that is silent for ``rank_timeout_s``, is
+reclaimed (its leases released); the others finish. A load no rank reads any
+more (all left or reclaimed) stops reading, as does every load when the daemon
+stops. Segments are unlinked when the session ends, whatever the outcome,
+except those the session kept resident (``resident``): with a retention budget, the
+tensors a previous load left in memory are handed out from there first, and only the
+rest is streamed, each batch into a segment of its own that stays for the next load.
+A session can also serve a single rank (``only``): one that rejoins a load after dying.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+
+from streamer_client.errors import ObjectChangedError, ObjectNotFoundError, SessionError, StreamerError
+from streamer_client.protocol import Handle
+
+from ..checkpoint.catalog import TensorInfo
+from ..checkpoint.open import Checkpoint
+from .ledger import RankLedger, RankState, RankStatus
+from .metrics import LoadTimes
+from ..load.pipeline import Load, LoadStats, Pipeline
+from ..checkpoint.plan import Batch, BatchKind, build_plan
+from .process import ProcessWatch
+from .resident import ResidentStore
+from .roster import Roster
+from ..readers.base import ReaderFactory
+from ..readers.choice import open_reader, reader_for
+from .session_buffers import SegmentSlot, SessionBuffers
+from .shm import Segment, SegmentPool
+from .stats import SessionSummary
+from ..checkpoint.versions import ObjectVersions
+
+__all__ = ["Session", "SessionState"]
+
+log = logging.getLogger(__name__)
+
+MAX_HANDLES_PER_REPLY = 8192
+
+
+class SessionState(enum.Enum):
+    JOINING = "joining"
+    STREAMING = "streaming"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class _Cancelled(Exception):
+    """No rank is left to read the load, or the daemon stops: stop streaming."""
+
+
+class Session:
+    def __init__(
+        self,
+        key: str,
+        checkpoint: Checkpoint,
+        world_size: int,
+        *,
+        slot_size: int,
+        pool: SegmentPool,
+        in_flight: int | None = None,
+        join_timeout_s: float,
+        on_end: Callable[["Session"], None],
+        resident: ResidentStore | None = None,
+        rejoin: tuple[str, int] | None = None,
+        storage_environment: Mapping[str, str] | None = None,
+        versions: ObjectVersions | None = None,
+        reader_factory: ReaderFactory | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.id = uuid.uuid4().hex
+        self.key = key
+        self.checkpoint = checkpoint
+        self.world_size = world_size
+        self.state = SessionState.JOINING
+        self.error: StreamerError | None = None
+        self._ledger = RankLedger()
+        self.ranks: dict[int, RankState] = self._ledger.ranks
+        self.stats = LoadStats()
+        self.times = LoadTimes()  # for the load-duration and first-tensor histograms
+        # (group key, rank): a session for one rank coming back to its group's load after dying.
+        self.rejoin = rejoin
+        self.resident_bytes = 0  # handed out from memory kept by earlier loads
+        self._slot_size = slot_size
+        self._in_flight = in_flight  # bytes submitted to storage and not yet landed, at most
+        self._roster = Roster(
+            key, checkpoint.uri, world_size, only=rejoin[1] if rejoin is not None else None, join_timeout_s=join_timeout_s, now=clock()
+        )
+        self._on_end = on_end
+        self._storage_environment = storage_environment  # Run:ai's retry/timeout variables
+        self._versions = versions  # checks each loaded batch's objects before publishing it
+        self._reader_factory = reader_factory or reader_for(checkpoint.uri)
+        self._clock = clock
+        self._cond = threading.Condition()
+        self._buffers = SessionBuffers(pool, slot_size, resident, lock=self._cond, clock=clock)
+        self._cancelled = False
+        self._told: set[int] = set()  # ranks that were answered the error of a cancelled load
+        self._tell_until = 0.0  # a cancelled load keeps its segments until then for ranks not told yet
+        self.load_complete = False  # every batch was loaded and published
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ joining
+
+    def join(
+        self,
+        rank: int,
+        world_size: int,
+        chosen: Sequence[TensorInfo],
+        priority: Sequence[str] | None,
+        process: ProcessWatch | None = None,
+    ) -> RankState:
+        """:meth:`add` ``rank``, then block until every rank has joined (or the join timeout passes)."""
+        self.add(rank, world_size, chosen, priority, process)
+        with self._cond:
+            while self.state is SessionState.JOINING:
+                self._expire_join(self._clock())
+                self._cond.wait(max(min(self._roster.deadline - self._clock(), 1.0), 0.01))
+        return self.joined(rank)
+
+    def add(
+        self,
+        rank: int,
+        world_size: int,
+        chosen: Sequence[TensorInfo],
+        priority: Sequence[str] | None,
+        process: ProcessWatch | None = None,
+    ) -> RankState:
+        """Add ``rank`` with its selected tensors (``plan.select``) and start the load once every
+        rank is in; never waits. ``process`` watches the rank's process, so that a rank whose
+        process is gone is reclaimed at once. Wait for the others with :meth:`on_joined` (the
+        daemon's API, without a thread) or :meth:`join`, then :meth:`joined`."""
+        with self._cond:
+            self._roster.check(rank, world_size, joined=self.ranks, started=self.state is not SessionState.JOINING)
+            names = frozenset(t.name for t in chosen)
+            state = self._ledger.add(rank, names, sum(t.nbytes for t in chosen), len(chosen), process, self._clock())
+            self._roster.choose(rank, chosen, priority)
+            if len(self.ranks) == self._roster.expected:
+                self._start()
+                self._cond.notify_all()
+            return state
+
+    def on_joined(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (from any thread, so it must not block) once the session no longer
+        waits for ranks: every rank joined, or it failed. At once if that is so already."""
+        with self._cond:
+            if self.state is SessionState.JOINING:
+                self._roster.on_joined(callback)
+                return
+        callback()
+
+    def joined(self, rank: int) -> RankState:
+        """``rank``'s state once the session no longer waits for ranks; its error if it failed."""
+        with self._cond:
+            if self.state is SessionState.FAILED and self.error is not None:
+                raise self.error
+            return self.ranks[rank]
+
+    def withdraw(self, rank: int) -> None:
+        """``rank`` went away while the session waited for the others (its connection closed): it
+        is no longer part of the session, which ends once no rank waits in it."""
+        with self._cond:
+            state = self.ranks.get(rank)
+            if self.state is not SessionState.JOINING or state is None:
+                return
+            self._ledger.drop(rank)
+            self._roster.drop(rank)
+            log.info("session %s: rank %d went away before every rank joined", self.key, rank)
+            if not self.ranks:
+                self._fail(self._roster.error("every rank that joined went away"))
+
+    def _expire_join(self, now: float) -> None:
+        """Fail a session still waiting for ranks past the join timeout (under the lock)."""
+        error = self._roster.expired(now, self.ranks) if self.state is SessionState.JOINING else None
+        if error is not None:
+            self._fail(error)
+
+    def refuse(self, error: SessionError) -> None:
+        """A rank of this group was refused: the ranks waiting for it fail now, not at the join timeout."""
+        with self._cond:
+            if self.state is SessionState.JOINING:
+                self._fail(error)
+
+    def _start(self) -> None:
+        wanted = self._roster.union(self.checkpoint.catalog.tensors)
+        self.state = SessionState.STREAMING
+        self.times.mark("started")
+        now = self._clock()
+        for r in self.ranks.values():
+            r.last_seen = now
+        self._thread = threading.Thread(target=self._run, args=(wanted,), name=f"session-{self.id[:8]}", daemon=True)
+        self._thread.start()
+        self._no_longer_joining()
+
+    def _no_longer_joining(self) -> None:
+        for callback in self._roster.joined_callbacks():
+            callback()
+
+    # ------------------------------------------------------------------ streaming thread
+
+    def _run(self, wanted: list[TensorInfo]) -> None:
+        started = self._clock()
+        try:
+            missing = self._serve_resident(wanted)
+            plan = build_plan(missing, self._slot_size)
+            self._buffers.prepare(plan, self.key)
+            if plan.batches:
+                with open_reader(self.checkpoint.uri, self._reader_factory, self._storage_environment) as reader:
+                    verify = self._versions.check if self._versions is not None else None
+                    pipeline = Pipeline(
+                        self.checkpoint.uri, plan, reader, self._acquire, self.stats, verify, in_flight=self._in_flight
+                    )
+                    for load in pipeline.loaded(self._wait_for_release):
+                        self._publish(load)
+            with self._cond:
+                self.load_complete = True
+                while not self._ledger.all_finished():
+                    if self._cancelled:
+                        raise _Cancelled
+                    self._cond.wait(0.5)
+                failed = [r for r in self.ranks.values() if r.status is RankStatus.FAILED]
+                if failed:  # a rank that could not use what it was handed did not receive it
+                    self._fail(self._roster.error(f"rank {failed[0].rank} failed: {failed[0].error}"))
+                else:
+                    self._ledger.finish()
+                    self._end(SessionState.DONE)
+            log.info(
+                "session %s (%s, %d ranks): %d bytes read from storage, %d served from memory, in %.2f s",
+                self.key, self.checkpoint.uri, len(self.ranks), self.stats.bytes_read, self.resident_bytes,
+                self._clock() - started,
+            )  # fmt: skip
+        except _Cancelled:
+            with self._cond:
+                # Ranks still reading are answered the error before the segments they were handed go.
+                while self._untold() and self._clock() < self._tell_until:
+                    self._cond.wait(min(self._tell_until - self._clock(), 0.5))
+                self._end(SessionState.FAILED)
+            log.warning(
+                "session %s (%s): %s; stopped after %d bytes read",
+                self.key, self.checkpoint.uri, self.error or "no rank is left to read it", self.stats.bytes_read,
+            )  # fmt: skip
+        except StreamerError as exc:
+            if isinstance(exc, (ObjectChangedError, ObjectNotFoundError)):
+                self._buffers.drop_resident(str(exc))
+            with self._cond:
+                self._fail(exc)
+            log.error("session %s (%s) failed: %s", self.key, self.checkpoint.uri, exc)
+        except Exception as exc:  # noqa: BLE001 - a bug must fail the session, not hang its ranks
+            log.exception("session %s (%s) crashed", self.key, self.checkpoint.uri)
+            with self._cond:
+                self._fail(StreamerError(f"daemon error while streaming {self.checkpoint.uri}: {exc!r}"))
+        finally:
+            if self._versions is not None:
+                self._versions.close()
+            with self._cond:
+                self._ledger.clear()
+            self._buffers.release()
+            self._on_end(self)
+
+    def _serve_resident(self, wanted: list[TensorInfo]) -> list[TensorInfo]:
+        """Hand out the tensors an earlier load left in memory; return those still to stream."""
+        # One batch per resident segment, numbered after the plan's (0..n-1).
+        batches = self._buffers.resident_batches(self.checkpoint.uri.normalized, self.checkpoint.generation, wanted, 1 << 32)
+        if not batches:
+            return wanted
+        if self._versions is not None:
+            self._versions.check_all()  # one listing: the copy is still what storage holds
+        with self._cond:
+            for handles in batches:
+                # Leased like a ring slot (ranks release it), but the resident copy owns the memory.
+                if self._ledger.publish(handles[0].batch, handles, None)[0]:
+                    self.times.mark("first_ready")
+            self.resident_bytes = sum(h.nbytes for handles in batches for h in handles)
+            self._cond.notify_all()
+        self._buffers.served(self.resident_bytes)
+        served = {h.name for handles in batches for h in handles}
+        return [t for t in wanted if t.name not in served]
+
+    def _acquire(self, batch: Batch) -> tuple[Segment, SegmentSlot] | None:
+        """The pipeline's source of buffers: a segment for ``batch``, or none yet."""
+        with self._cond:
+            if self._cancelled:
+                raise _Cancelled
+        slot = self._buffers.acquire(batch)
+        return None if slot is None else (slot.segment, slot)
+
+    def _wait_for_release(self) -> None:
+        with self._cond:
+            if self._cancelled:
+                raise _Cancelled
+            self._cond.wait(0.5)
+
+    def _publish(self, load: Load) -> None:
+        slot: SegmentSlot | None = load.token
+        if slot is not None:
+            self._buffers.keep(slot, load.batch.placements)
+        with self._cond:
+            if self._cancelled:
+                raise _Cancelled
+            segment = slot.segment.name if slot is not None else None
+            # A kept segment is read by later loads too: ranks map it like a ring slot.
+            dedicated = load.batch.kind is BatchKind.OVERSIZED and not slot.kept
+            handles = [
+                Handle(load.index, segment, p.buffer_offset, p.tensor.nbytes, p.tensor.name, p.tensor.dtype, p.tensor.shape, dedicated)
+                for p in load.batch.placements
+            ]
+            handed, held = self._ledger.publish(load.index, handles, slot, leased=segment is not None)
+            if handed:
+                self.times.mark("first_ready")
+            if not held and slot is not None:
+                self._buffers.recycle(slot)
+            self._cond.notify_all()
+
+    # ------------------------------------------------------------------ rank requests
+
+    def next(self, rank: int, release: Sequence[int], wait_s: float) -> tuple[list[Handle], bool]:
+        """Release ``release``; return ready handles (waiting up to ``wait_s``) and whether this rank is done."""
+        with self._cond:
+            state = self._rank(rank)
+            self._recycle_all(self._ledger.release(state, release))
+            state.last_seen = self._clock()
+            deadline = self._clock() + wait_s
+            state.asking += 1
+            try:
+                while not state.queue and self.state is SessionState.STREAMING and state.to_hand_out and not self._cancelled:
+                    remaining = deadline - self._clock()
+                    if remaining <= 0:
+                        break
+                    self._cond.wait(remaining)
+            finally:
+                state.asking -= 1
+            if self.error is not None and (self._cancelled or self.state is SessionState.FAILED):
+                self._told.add(rank)
+                self._cond.notify_all()
+                raise self.error
+            if state.status is RankStatus.RECLAIMED:
+                raise self._roster.reclaimed(rank)
+            # About a slot's worth per reply: a load served from memory has everything ready at once.
+            handles = self._ledger.take(state, MAX_HANDLES_PER_REPLY, self._slot_size)
+            state.last_seen = self._clock()
+            return handles, state.to_hand_out == 0
+
+    def leave(self, rank: int, error: str | None = None) -> None:
+        """The rank is finished, abandons the load, or failed with ``error``: release everything it holds."""
+        with self._cond:
+            self._recycle_all(self._ledger.leave(self._rank(rank), error))
+            self._stop_if_abandoned()
+            self._cond.notify_all()
+
+    def cancel(self, reason: str, tell_s: float = 0.0) -> None:
+        """Stop this session (the daemon stops): reads in flight drain, nothing new is submitted,
+        its segments go back; waiting ranks get ``reason``, and every rank's next request does.
+        Its segments stay for up to ``tell_s`` until each rank still reading has been told."""
+        with self._cond:
+            error = self._roster.error(reason)
+            if self.state is SessionState.JOINING:
+                self._fail(error)
+            elif self.state is SessionState.STREAMING:
+                self.error = error
+                self._cancelled = True
+                self._tell_until = self._clock() + tell_s
+            self._cond.notify_all()
+
+    def _untold(self) -> list[int]:
+        """Ranks still reading a cancelled load that have not been answered its error yet."""
+        return [r.rank for r in self._ledger.active() if r.rank not in self._told]
+
+    def wait_ended(self, timeout_s: float) -> bool:
+        """Wait for the streaming thread to have given everything back."""
+        thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
+            return not thread.is_alive()
+        return True
+
+    def _stop_if_abandoned(self) -> None:
+        # A load no rank reads any more stops reading: no storage read for nobody, also when the
+        # ranks left rather than being reclaimed.
+        if self.state is SessionState.STREAMING and not self._ledger.any_active():
+            self._cancelled = True
+
+    def reap(self, now: float, rank_timeout_s: float) -> None:
+        """Reclaim ranks whose process is gone or that were silent for longer than ``rank_timeout_s``;
+        fail a session still waiting for ranks after the join timeout."""
+        with self._cond:
+            self._expire_join(now)
+            if self.state is not SessionState.STREAMING:
+                return
+            for state, why, freed in self._ledger.reclaim(now, rank_timeout_s):
+                log.warning("session %s: rank %d %s", self.key, state.rank, why)
+                self._recycle_all(freed)
+            self._stop_if_abandoned()
+            self._cond.notify_all()
+
+    def _rank(self, rank: int) -> RankState:
+        return self._roster.member(rank, self.ranks.get(rank))
+
+    def _recycle_all(self, slots: Sequence[SegmentSlot]) -> None:
+        for slot in slots:
+            self._buffers.recycle(slot)
+        self._cond.notify_all()
+
+    # ------------------------------------------------------------------ ending
+
+    def _fail(self, error: StreamerError) -> None:
+        self.error = error
+        self._end(SessionState.FAILED)
+
+    def _end(self, state: SessionState) -> None:
+        if self.state in (SessionState.DONE, SessionState.FAILED):
+            return
+        self.state = state
+        self.times.mark("ended")
+        self._cond.notify_all()
+        if self._thread is None:  # never started streaming: nothing else will call on_end
+            self._ledger.clear()  # the joined ranks' process watches
+            self._no_longer_joining()
+            self._on_end(self)
+
+    def summary(self) -> SessionSummary:
+        with self._cond:
+            return SessionSummary(
+                id=self.id, key=self.key, uri=self.checkpoint.uri.normalized, state=self.state.value,
+                world_size=self.world_size, bytes_read=self.stats.bytes_read, bytes_from_memory=self.resident_bytes,
+                rejoin_of=self.rejoin[0] if self.rejoin else None, ranks=self._ledger.summary(),
+                error=str(self.error) if self.error else None,
+            )  # fmt: skip

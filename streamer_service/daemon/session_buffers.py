@@ -1,0 +1,197 @@
+"""Where a daemon session's batches land: ring segments from the node's pool, or segments that stay.
+
+A session streams each batch into a shared-memory segment and hands the ranks handles into it.
+This module owns those segments for one session; the session owns who may read them (``ledger``)
+and when (its state machine). Two kinds of segment:
+
+- **Ring slots** (the default): segments of the daemon's slot size, as many as the budget holds
+  (``sizing.ring_slots``, the rule shared with the embedded engine; made only when no free one is
+  left) plus one oversized tensor's (``ring``), paid
+  from the node's shm budget (``shm.SegmentPool``) and given back to the pool when the session
+  ends, where the next session of any checkpoint can reuse them.
+- **Kept segments** (a retention budget with room for the load): one segment of the batch's
+  exact size per batch, paid by a claim on the resident store; once loaded, the resident copy
+  owns it and serves later loads from it (``resident``). They are made ahead of need, up to
+  ``KEPT_AHEAD`` at a time on the store's maker threads, while Run:ai reads into the ones before
+  (the claim already pays for every one of them, so making them early takes nothing more).
+
+Locking: ``lock`` is the session's condition; every method that changes the segment list takes
+it. :meth:`acquire` zero-fills a new segment outside it (``Ring.take``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from streamer_client.protocol import Handle
+
+from ..checkpoint.catalog import TensorInfo
+from ..checkpoint.plan import Batch, BatchKind, Placement, Plan
+from .resident import ResidentCopy, ResidentStore
+from ..load.ring import Ring
+from .shm import CREATE_WORKERS, Reservation, Segment, SegmentPool
+from ..sizing import ring_slots
+
+__all__ = ["KEPT_AHEAD", "SegmentSlot", "SessionBuffers"]
+
+log = logging.getLogger(__name__)
+
+# Kept segments being made or ready ahead of the batch that needs them: one per maker thread, and
+# as many again ready, so the makers never wait for the pipeline to ask.
+KEPT_AHEAD = 2 * CREATE_WORKERS
+
+
+@dataclass(eq=False)
+class SegmentSlot:
+    """One segment a batch is streamed into, and who pays for it."""
+
+    segment: Segment
+    reservation: Reservation | None  # None: the session's resident claim pays for it
+    oversized: bool
+    resident: bool = False  # loaded and handed to the resident copy, which owns it from then on
+
+    @property
+    def kept(self) -> bool:
+        return self.reservation is None
+
+
+class SessionBuffers:
+    def __init__(
+        self,
+        pool: SegmentPool,
+        slot_size: int,
+        resident: ResidentStore | None,
+        *,
+        lock: threading.Condition,
+        clock: Callable[[], float],
+    ) -> None:
+        self._pool = pool
+        self._slot_size = slot_size
+        self._resident = resident if resident is not None and resident.enabled else None
+        self._lock = lock
+        self._clock = clock
+        self._ring: Ring[SegmentSlot] = Ring(lock=lock)
+        self._slots: list[SegmentSlot] = []  # every live segment of this session
+        self._copy: ResidentCopy | None = None  # the resident copy of this checkpoint generation
+        self._claimed = 0  # resident bytes claimed for this session's own segments
+        self._upcoming: deque[Batch] = deque()  # batches still to get a kept segment, in plan order
+        self._ahead: deque[tuple[Batch, Future[Segment]]] = deque()  # kept segments on their way
+
+    # ------------------------------------------------------------------ the resident copy
+
+    def resident_batches(self, uri: str, generation: str, wanted: Sequence[TensorInfo], first: int) -> list[list[Handle]]:
+        """The tensors of ``wanted`` an earlier load left in memory, as handles: one batch per
+        segment, numbered from ``first``. Pins the copy for this session (``release`` unpins it)."""
+        if self._resident is None:
+            return []
+        self._copy = copy = self._resident.pin(uri, generation)
+        by_segment: dict[str, list[tuple[TensorInfo, int]]] = {}
+        for t in wanted:
+            kept = copy.get(t.name) if t.nbytes else None
+            if kept is not None:
+                by_segment.setdefault(kept.segment.name, []).append((t, kept.offset))
+        return [
+            [Handle(index, segment, offset, t.nbytes, t.name, t.dtype, t.shape, False) for t, offset in tensors]
+            for index, (segment, tensors) in enumerate(by_segment.items(), first)
+        ]
+
+    def served(self, nbytes: int) -> None:
+        if self._resident is not None:
+            self._resident.served(nbytes)
+
+    def drop_resident(self, why: str) -> None:
+        """Storage no longer holds what the resident copy is of (a changed or missing object)."""
+        if self._copy is not None:
+            self._resident.drop(self._copy, why)
+
+    # ------------------------------------------------------------------ sizing and taking
+
+    def prepare(self, plan: Plan, session: str) -> None:
+        """Size the buffers for ``plan``: with room in the retention budget its bytes will stay
+        resident (kept segments); otherwise they go through a ring of slots."""
+        need = sum(self._pool.store.pages.round(b.buffer_bytes) for b in plan.batches if b.ranges)  # whole pages
+        if self._copy is not None and need and self._resident.claim(self._copy, need):
+            self._claimed = need
+            self._upcoming.extend(b for b in plan.batches if b.ranges)  # the pipeline's order of acquire
+            self._make_ahead()
+        elif self._copy is not None and need:
+            log.info("session %s: %d bytes to load do not fit the retention budget; streaming through the ring", session, need)
+        slot_batches = sum(b.kind is BatchKind.SLOT and b.buffer_bytes > 0 for b in plan.batches)
+        # Ring segments are all of the daemon's slot size, so that later sessions can reuse them.
+        self._ring.capacity = ring_slots(self._pool.budget.limit, self._slot_size, slot_batches)
+
+    def acquire(self, batch: Batch) -> SegmentSlot | None:
+        """A segment for ``batch``: a kept one, a free ring slot, a new one while the ring may grow,
+        or none (wait for a release)."""
+        oversized = batch.kind is BatchKind.OVERSIZED
+        if self._claimed:  # the claim pays: a segment of the batch's exact size, made ahead
+            return self._add(SegmentSlot(self._kept_segment(batch), None, oversized))
+        nbytes = batch.buffer_bytes if oversized else self._slot_size
+        return self._ring.take(functools.partial(self._new_slot, nbytes, oversized), oversized=oversized)
+
+    def _kept_segment(self, batch: Batch) -> Segment:
+        if self._ahead and self._ahead[0][0] is batch:
+            future = self._ahead.popleft()[1]
+            self._make_ahead()
+            return future.result()  # a full shm dir: the ConfigError of Segment, raised here
+        return self._pool.store.create(batch.buffer_bytes)  # not a batch of the plan's order
+
+    def _make_ahead(self) -> None:
+        while self._upcoming and len(self._ahead) < KEPT_AHEAD:
+            batch = self._upcoming.popleft()
+            self._ahead.append((batch, self._pool.store.create_soon(batch.buffer_bytes)))
+
+    def _new_slot(self, nbytes: int, oversized: bool) -> SegmentSlot | None:
+        got = self._pool.take(nbytes, oversized=oversized)
+        if got is None:  # other sessions hold the node's budget: wait for a release
+            return None
+        return self._add(SegmentSlot(got[0], got[1], oversized))
+
+    def _add(self, slot: SegmentSlot) -> SegmentSlot:
+        with self._lock:
+            self._slots.append(slot)
+        return slot
+
+    # ------------------------------------------------------------------ after a batch is loaded
+
+    def keep(self, slot: SegmentSlot, placements: Sequence[Placement]) -> None:
+        """A loaded kept segment: its tensors join the resident copy, which owns it from now on."""
+        if slot.kept:
+            self._resident.add(self._copy, slot.segment, [(p.tensor.name, p.buffer_offset) for p in placements if p.tensor.nbytes])
+            slot.resident = True
+
+    def recycle(self, slot: SegmentSlot) -> None:
+        """Every rank released ``slot``'s batch (called under the lock)."""
+        if slot.kept:
+            return  # the resident copy owns it now
+        if slot.oversized:
+            self._slots.remove(slot)
+            # Ranks dropped their mappings of it when they released it; kept idle for a reload.
+            self._pool.give(slot.segment, slot.reservation, keep=True, now=self._clock())
+        self._ring.give(slot, oversized=slot.oversized)
+
+    def release(self) -> None:
+        """The session ended: ring segments go back to the pool, the claim is settled."""
+        with self._lock:
+            slots, self._slots = self._slots, []
+            self._ring.drain()
+        ahead, self._ahead = self._ahead, deque()
+        self._upcoming.clear()
+        for _, future in ahead:  # made for batches the load never reached
+            with contextlib.suppress(Exception):
+                future.result().close()
+        for slot in slots:
+            if not slot.kept:
+                self._pool.give(slot.segment, slot.reservation, keep=True, now=self._clock())
+            elif not slot.resident:
+                slot.segment.close()  # claimed but never filled: the load failed first
+        if self._copy is not None:
+            self._resident.settle(self._claimed - sum(s.segment.nbytes for s in slots if s.resident))
+            self._resident.unpin(self._copy)

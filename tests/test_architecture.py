@@ -1,0 +1,246 @@
+"""The layers of docs/architecture.md, checked from the code: which package may import which, no
+import cycle, small modules, no history in the code, and every file or module a comment names
+exists.
+
+The import graph is read from the source (``ast``): every ``import`` counts, at module level or
+inside a function, so a lazy import cannot hide a cycle or an upward edge.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+ROOTS = {"streamer_service": ROOT / "streamer_service", "streamer_client": ROOT / "client" / "streamer_client"}
+
+# The parts of streamer_service, bottom to top: each may import the ones of a lower rank (and the
+# client); parts of one rank do not import each other. A new package or top-level module gets a
+# row here and in docs/architecture.md.
+LAYERS = {
+    "sizing": 0, "uri": 0, "settings": 1, "logs": 2, "access": 2,  # the foundation: modules
+    "storage": 3, "readers": 3,
+    "metadata": 4,
+    "checkpoint": 5,
+    "load": 6,
+    "embedded": 7, "daemon": 7,
+    "sample": 8, "demo": 9, "bench": 9, "cli": 10, "__main__": 11,  # the tools
+}
+MAX_LINES = 450
+
+
+def _module_name(package: str, path: Path) -> str:
+    parts = [package, *path.relative_to(ROOTS[package]).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p, path): path for p, root in ROOTS.items() for path in sorted(root.rglob("*.py"))}
+
+
+MODULES = _modules()
+
+
+def _defines(module: str, name: str) -> bool:
+    tree = ast.parse(MODULES[module].read_text())
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.name == name:
+            return True
+        if isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+                return True
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and any((a.asname or a.name.split(".")[0]) == name for a in node.names):
+            return True
+    return False
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """The modules of ours that ``name`` imports (a name imported from a package counts as its
+    submodule where there is one)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                module = ".".join([*base, node.module] if node.module else base)
+            else:
+                module = node.module or ""
+            # A name that is neither a module of ours nor defined by the package it comes from
+            # is an extension module (streamer_client._copier): no edge to the package.
+            targets = [
+                f"{module}.{alias.name}"
+                for alias in node.names
+                if f"{module}.{alias.name}" in MODULES or module not in MODULES or _defines(module, alias.name)
+            ]
+        else:
+            continue
+        for target in targets:
+            while target and target not in MODULES:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def _part(module: str) -> str | None:
+    """The part of streamer_service a module belongs to (its first name below the package)."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "streamer_service" and len(parts) > 1 else None
+
+
+def test_every_part_of_the_service_has_a_layer():
+    parts = {_part(m) for m in MODULES} - {None}
+    assert parts - set(LAYERS) == set(), "add the new part to LAYERS and docs/architecture.md"
+    assert set(LAYERS) - parts == set(), "LAYERS names a part that is gone"
+
+
+def test_no_part_imports_a_higher_one_or_its_sibling():
+    wrong = []
+    for module, targets in GRAPH.items():
+        here = _part(module)
+        if here is None:
+            continue
+        for target in targets:
+            there = _part(target)
+            if there is not None and there != here and LAYERS[there] >= LAYERS[here]:
+                wrong.append(f"{module} -> {target}")
+    assert wrong == []
+
+
+def test_the_client_does_not_import_the_service():
+    """The client finds its in-process backend through the entry point group
+    ``streamer_client.backends`` (streamer_client/in_process.py), never by importing the service."""
+    wrong = [f"{m} -> {t}" for m, ts in GRAPH.items() if m.startswith("streamer_client") for t in ts if t.startswith("streamer_service")]
+    assert wrong == []
+
+
+def test_the_service_registers_its_in_process_backend():
+    import tomllib
+
+    from streamer_client import in_process
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    target = project["entry-points"][in_process.GROUP][in_process.NAME]
+    assert target in MODULES
+    tree = ast.parse(MODULES[target].read_text())
+    defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+    assert {"stream", "pull"} <= defined
+
+
+def _cycle() -> list[str] | None:
+    """One import cycle among our modules, or None."""
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    path: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = 1
+        path.append(module)
+        for target in sorted(GRAPH[module]):
+            if state.get(target) == 1:
+                return path[path.index(target) :] + [target]
+            if target not in state:
+                found = visit(target)
+                if found:
+                    return found
+        path.pop()
+        state[module] = 2
+        return None
+
+    for module in sorted(GRAPH):
+        if module not in state:
+            found = visit(module)
+            if found:
+                return found
+    return None
+
+
+def test_no_import_cycle():
+    # A package's __init__ that re-exports its modules is imported by them only through the
+    # import system, not as a cycle of concepts: the edge from a submodule to its own package
+    # is not counted.
+    cycle = _cycle()
+    assert cycle is None, " -> ".join(cycle)
+
+
+def _package_files() -> list[Path]:
+    return sorted(MODULES.values())
+
+
+@pytest.mark.parametrize("path", _package_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_module_over_the_size_limit(path):
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_LINES, f"{path.relative_to(ROOT)} has {lines} lines: split it by concept (docs/contributing.md)"
+
+
+def test_no_history_in_the_package_code():
+    pattern = re.compile(r"\b[Ii]ssue[ #]*\d+|DESIGN\.md|STYLE\.md")
+    found = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for path in _package_files()
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert found == []
+
+
+# A path into the repository, as comments and docstrings write them.
+_PATH = re.compile(r"(?<![\w./-])((?:docs|tests|benchmarks|scripts|examples|deploy|client|streamer_service|streamer_client)/[\w./-]*\w)")
+# A dotted name of ours.
+_DOTTED = re.compile(r"(?<![\w.])((?:streamer_service|streamer_client)(?:\.\w+)+)")
+
+
+def _entry_point_groups() -> set[str]:
+    import tomllib
+
+    groups = set()
+    for pyproject in (ROOT / "pyproject.toml", ROOT / "client" / "pyproject.toml"):
+        groups |= set(tomllib.loads(pyproject.read_text())["project"].get("entry-points", {}))
+    return groups
+
+
+def _exists(path: str) -> bool:
+    if path.startswith("streamer_client/"):
+        path = "client/" + path
+    return (ROOT / path).exists()
+
+
+def _resolves(dotted: str) -> bool:
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        module = ".".join(parts[:cut])
+        if module in MODULES:
+            rest = parts[cut:]
+            return not rest or _defines(module, rest[0]) or (MODULES[module].name == "__init__.py" and module + "." + rest[0] in MODULES)
+    return False
+
+
+def _named(text: str) -> list[str]:
+    missing = [p for p in _PATH.findall(text) if not _exists(p.rstrip("."))]
+    missing += [d for d in _DOTTED.findall(text) if not _resolves(d) and d not in _entry_point_groups()]
+    return missing
+
+
+@pytest.mark.parametrize("path", _package_files(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_file_and_module_the_code_names_exists(path):
+    assert _named(path.read_text()) == []
+
+
+# docs/benchmarks.md is a log: it names the files of the run it reports, as they were then.
+DOCS = [ROOT / "README.md", ROOT / "client" / "README.md", *(p for p in sorted((ROOT / "docs").glob("*.md")) if p.name != "benchmarks.md")]
+
+
+@pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_file_and_module_the_docs_name_exists(path):
+    # "Changes for integrators" names the paths that were, beside the ones that are.
+    assert _named(path.read_text().split("## Changes for integrators")[0]) == []
