@@ -50,7 +50,7 @@ def _rank_main(uri: str, truth_dir: str | None, rank: int, world_size: int, sele
         import streamer_client
 
         # Import the engine before the clock starts: the table reports load time, not interpreter start-up.
-        from .embedded import backend  # noqa: F401
+        from .embedded import stream  # noqa: F401
 
         started = time.perf_counter()
         received = {}

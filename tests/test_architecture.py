@@ -51,7 +51,8 @@ def _defines(module: str, name: str) -> bool:
             return True
         if isinstance(node, (ast.Assign, ast.AnnAssign)):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-            if any(isinstance(t, ast.Name) and t.id == name for t in targets):
+            names = [n for t in targets for n in (t.elts if isinstance(t, ast.Tuple) else [t])]
+            if any(isinstance(n, ast.Name) and n.id == name for n in names):
                 return True
         if isinstance(node, (ast.Import, ast.ImportFrom)) and any((a.asname or a.name.split(".")[0]) == name for a in node.names):
             return True
@@ -91,6 +92,36 @@ def _imports(name: str, path: Path) -> set[str]:
 
 
 GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def _extension(module: str) -> bool:
+    """A native extension of ours (built from a C source beside the package's modules)."""
+    package, _, name = module.rpartition(".")
+    return package in MODULES and (MODULES[package].parent / f"{name}.c").exists()
+
+
+def test_every_name_imported_from_our_packages_exists():
+    """``from package import name``: a module of ours, an extension, or defined by the package."""
+    wrong = []
+    for name, path in MODULES.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = package.split(".")
+                module = ".".join([*base[: len(base) - node.level + 1], *([node.module] if node.module else [])])
+            else:
+                module = node.module or ""
+            if module not in MODULES:
+                if module.split(".")[0] in ROOTS and not _extension(module):
+                    wrong.append(f"{name}: {module}")
+                continue
+            for alias in node.names:
+                target = f"{module}.{alias.name}"
+                if target not in MODULES and not _extension(target) and not _defines(module, alias.name):
+                    wrong.append(f"{name}: {target}")
+    assert wrong == []
 
 
 def _part(module: str) -> str | None:

@@ -129,7 +129,7 @@ def _preload(mode: Mode) -> None:
     elif mode is Mode.EMBEDDED:
         import streamer_client  # noqa: F401
 
-        from ..embedded import embedded  # noqa: F401
+        from ..embedded import stream  # noqa: F401  (the in-process engine, imported as a load would)
         from ..readers.runai.contract import load_native
 
         load_native()  # Run:ai's native library, as A's import of runai_model_streamer opens it
