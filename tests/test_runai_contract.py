@@ -29,7 +29,7 @@ from streamer_service.readers.runai import NativeReader, ResponseCode, contract
 
 PINNED = "0.17.0"
 
-# Written out here, not imported from streamer_service/runai: a change on either side must fail this file.
+# Written out here, not imported from streamer_service/readers/runai: a change on either side must fail this file.
 EXPECTED_PARAMETERS = {
     "runai_start": (),
     "runai_request": ("streamer", "paths", "num_ranges", "range_offsets", "range_sizes", "range_dsts"),

@@ -2,7 +2,7 @@
  *
  * What it is for (streamer_client/copier.py, its Python side): bytes already in memory copied into
  * buffers of ours. The embedded engine reads a checkpoint in a local directory by mapping its files
- * and copying each batch's ranges into a ring slot (streamer_service/mapped.py); a rank copies a
+ * and copying each batch's ranges into a ring slot (streamer_service/readers/mapped.py); a rank copies a
  * daemon segment's bytes into its CPU tensors or into its pinned staging buffers
  * (streamer_client/delivery.py). The copies run here, on threads that never touch the
  * interpreter: one call queues a batch (split into chunks), one call waits for it with the GIL
