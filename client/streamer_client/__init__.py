@@ -150,6 +150,10 @@ def stream(
     in the log), unless ``require_daemon=True`` or ``STREAMER_REQUIRE_DAEMON=1``: then it raises
     ``DaemonError`` instead of reading storage itself.
 
+    ``budget`` (e.g. ``"8GiB"``) and ``cache_dir`` size an in-process load: its buffer ring and
+    metadata cache. Through a daemon they are checked alike (``SettingsError`` naming the argument)
+    but the daemon's own apply (``serve --shm-budget``, its cache), and the client says so once.
+
     ``progress=True`` draws a bar of this rank's bytes and GB/s on stderr, following
     ``STREAMER_PROGRESS`` (``auto``: only on a terminal). It needs tqdm, which this package does
     not install; without it ``ConfigError`` says so, before anything is loaded.
