@@ -1,7 +1,7 @@
 """A fresh engine process's first load, every loader side by side: what a user waits for.
 
     python benchmarks/cold_start.py [--size-gb 6.44] [--procs 3] [--reloads 2] [--disk-dir /tmp]
-                                    [--thp-dir /mnt/thp] [--rows NAME,...] [--profile] [--json PATH]
+                                    [--thp-dir /mnt/thp] [--rows "PREFIX;..."] [--profile] [--json PATH]
 
 Every row's load is the first of a NEW process that has already imported torch, made its CUDA
 context and imported the loader's module (``streamer_client``, ``instanttensor``,
@@ -135,6 +135,15 @@ def worker(args) -> None:
     torch.zeros(1, device=device)  # the CUDA context
     __import__(MODULES["ours" if args.kind.startswith("ours") else args.kind])
     truth = json.loads(Path(args.truth).read_text())
+    if args.reserve:  # a diagnostic: the caching allocator holds the load's bytes before the clock
+        nbytes = 0
+        for dtype, shape, *_ in truth.values():
+            n = getattr(torch, dtype.split(".")[-1]).itemsize
+            for d in shape:
+                n *= d
+            nbytes += -(-n // 512) * 512
+        del_me = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        del del_me
     print("ready", flush=True)
     if sys.stdin.readline().strip() != "go":
         return
@@ -268,6 +277,7 @@ class Row:
     daemon: str | None = None  # which daemon's env the ranks get
     world: int = 1
     independent: bool = False  # ``world`` processes, each its own load (world_size 1)
+    reserve: bool = False  # diagnostic: the load's device memory allocated and freed before the clock
     target: str = ""
     loads: list = field(default_factory=list)  # per counted round: [per process: [first, reloads...]]
 
@@ -276,6 +286,7 @@ def rows_for(thp: bool) -> list[Row]:
     rows = [
         Row("InstantTensor 0.2.2, tmpfs (4 KiB)", "instanttensor", "4k"),
         Row("ours, embedded, tmpfs (4 KiB)", "ours", "4k", target=">= 1.0 x IT 4k"),
+        Row("  the same, its device memory reserved before the clock (diagnostic)", "ours", "4k", reserve=True),
         Row("InstantTensor 0.2.2, huge=always tmpfs", "instanttensor", "thp"),
         Row("ours, embedded, huge=always tmpfs", "ours", "thp", target=">= 1.0 x IT thp"),
         Row("fastsafetensors 0.5.0 (nogds), tmpfs (4 KiB)", "fastsafetensors", "4k"),
@@ -300,6 +311,8 @@ def spawn(row: Row, directory: Path, truth: Path, env: dict, rank: int, session:
            "--reloads", str(reloads), "--device", DEVICE]  # fmt: skip
     if profile_out is not None:
         cmd += ["--profile", "--profile-out", str(profile_out)]
+    if row.reserve:
+        cmd.append("--reserve")
     # stderr to a file: -X importtime writes thousands of lines before the worker is ready.
     stderr = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True)
@@ -439,7 +452,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reloads", type=int, default=2, help="reloads per process, the second column (default 2)")
     parser.add_argument("--disk-dir", type=Path, default=Path(tempfile.gettempdir()), help="where the page-cache copy goes")
     parser.add_argument("--thp-dir", type=Path, help="a tmpfs mounted huge=always: the huge-page rows")
-    parser.add_argument("--rows", default="", help="only rows whose name starts with one of these (comma-separated)")
+    parser.add_argument("--rows", default="", help="only rows whose name starts with one of these (separated by ;)")
     parser.add_argument("--profile", action="store_true", help="also one profiled process per row of ours")
     parser.add_argument("--out", type=Path, help="a directory for the profiles and the JSON")
     parser.add_argument("--json", type=Path, help="every measurement as JSON")
@@ -447,6 +460,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     for name in ("--dir", "--truth", "--session", "--profile-out"):
         parser.add_argument(name, help=argparse.SUPPRESS)
+    parser.add_argument("--reserve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -493,7 +507,7 @@ def orchestrate(args) -> None:
         print(f"checkpoint {total / GB:.2f} GB, {len(json.loads(truth_path.read_text()))} tensors, {SHARDS} shards "
               f"(written, copied and checked in {time.monotonic() - started:.0f} s)", flush=True)  # fmt: skip
 
-        only = tuple(p for p in args.rows.split(",") if p)
+        only = tuple(p for p in args.rows.split(";") if p)
         rows = [r for r in rows_for(thp is not None) if not only or r.name.startswith(only)]
         base_env = dict(os.environ)
         base_env["PYTHONPATH"] = os.pathsep.join([str(REPO / "client"), str(REPO), base_env.get("PYTHONPATH", "")])
@@ -538,7 +552,7 @@ def orchestrate(args) -> None:
         profiles = {}
         if args.profile:
             for row in rows:
-                if row.kind != "ours" or row.world > 1:
+                if row.kind != "ours" or row.world > 1 or row.reserve:
                     continue
                 out = (args.out or work) / f"profile-{len(profiles)}.txt"
                 session = f"cold-{os.getpid()}-profile"
