@@ -278,6 +278,7 @@ class Row:
     world: int = 1
     independent: bool = False  # ``world`` processes, each its own load (world_size 1)
     reserve: bool = False  # diagnostic: the load's device memory allocated and freed before the clock
+    failed: str = ""  # why its processes failed (it is left out from then on)
     target: str = ""
     loads: list = field(default_factory=list)  # per counted round: [per process: [first, reloads...]]
 
@@ -540,7 +541,14 @@ def orchestrate(args) -> None:
         # daemon keeps the checkpoint from then on: its counted rows are warm restarts).
         for rnd in range(args.procs + 1):
             for row in rows:
-                go = run_row(row, dirs[row.source], truth_path, env_for(row), f"cold-{os.getpid()}-{rnd}", args.reloads)
+                if row.failed:
+                    continue
+                try:
+                    go = run_row(row, dirs[row.source], truth_path, env_for(row), f"cold-{os.getpid()}-{rnd}", args.reloads)
+                except SystemExit as exc:  # a loader that does not run here: the other rows go on
+                    row.failed = str(exc)
+                    print(f"  FAILED {row.name}: {exc}", flush=True)
+                    continue
                 if rnd:
                     row.loads.append(go)
                     seconds, nbytes = wall(go, 0)
@@ -552,13 +560,16 @@ def orchestrate(args) -> None:
         profiles = {}
         if args.profile:
             for row in rows:
-                if row.kind != "ours" or row.world > 1 or row.reserve:
+                if row.kind != "ours" or row.world > 1 or row.reserve or row.failed:
                     continue
                 out = (args.out or work) / f"profile-{len(profiles)}.txt"
                 session = f"cold-{os.getpid()}-profile"
-                timed = run_row(row, dirs[row.source], truth_path, env_for(row), session + "-i", 0, importtime=True)[0][0]
-                go = run_row(row, dirs[row.source], truth_path, env_for(row), session + "-p", 0, profile_out=out)
-                load0 = go[0][0]
+                try:
+                    timed = run_row(row, dirs[row.source], truth_path, env_for(row), session + "-i", 0, importtime=True)[0][0]
+                    load0 = run_row(row, dirs[row.source], truth_path, env_for(row), session + "-p", 0, profile_out=out)[0][0]
+                except SystemExit as exc:
+                    print(f"  FAILED profiling {row.name}: {exc}", flush=True)
+                    continue
                 profiles[row.name] = {"seconds": timed["end"] - timed["start"], "import_s": timed["import_s"],
                                       "profiled_s": load0["end"] - load0["start"], "first_tensor_s": load0["first"],
                                       **load0["split"]}  # fmt: skip
@@ -576,6 +587,9 @@ def orchestrate(args) -> None:
         print(f"checkpoint {total / GB:.2f} GB (GB = 1e9 B); {args.procs} fresh processes per row, {args.reloads} reloads each; "
               f"x IT: InstantTensor's first-load time on the same pages / this row's")  # fmt: skip
         summary = table(rows)
+        for row in rows:
+            if row.failed:
+                print(f"FAILED {row.name}: {row.failed.splitlines()[0]}")
         if args.json:
             args.json.write_text(json.dumps({"machine": machine(dirs), "checkpoint_bytes": total, "rows": summary,
                                              "profiles": profiles, "raw": {r.name: r.loads for r in rows}}, indent=1))  # fmt: skip
