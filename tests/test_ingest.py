@@ -117,9 +117,9 @@ def slow_s3(s3_service, tmp_path, monkeypatch):
 
 
 def test_a_load_behind_latency_keeps_batches_in_flight_within_its_bound(slow_s3):
-    """Slots of 512 KiB, a budget of 16 of them, at most two slots' bytes in flight:
-    more than one batch is always asked for (their waits overlap), never more bytes than the bound,
-    and every tensor equals safetensors' own."""
+    """Slots of 512 KiB, a budget of 16 of them, at most two slots' bytes in flight, in Run:ai
+    requests of whole batches and up to half of that: more than one request is asked for (their
+    waits overlap), never more bytes than the bound, and every tensor equals safetensors' own."""
     uri_text, truth, proxy = slow_s3
     uri = parse_uri(uri_text)
     catalog = build_catalog(open_storage(uri, Settings()))
@@ -132,9 +132,11 @@ def test_a_load_behind_latency_keeps_batches_in_flight_within_its_bound(slow_s3)
         assert torch.equal(got[name], tensor), name
     assert engine.stats.bytes_read == sum(t.numel() * t.element_size() for t in truth.values())
     plan = engine.plan()
-    assert engine.stats.submissions == sum(1 for b in plan.batches if b.ranges) >= 12
+    batches = [b for b in plan.batches if b.ranges]
+    per_request = max(1, slot // max(b.data_bytes for b in batches))  # whole batches in half the bound
+    assert len(batches) >= 12 and len(batches) / per_request <= engine.stats.submissions < len(batches)
     assert engine.stats.peak_in_flight_bytes <= 2 * slot  # the bound, not the budget's 16 slots
-    assert engine.stats.peak_in_flight >= 2  # the next batch was asked for while one waited
+    assert engine.stats.peak_in_flight >= 2  # the next request was asked for while one waited
     assert proxy.counts.requests - before >= engine.stats.submissions  # every batch through held requests
 
 
