@@ -544,7 +544,8 @@ def orchestrate(args) -> None:
                 if row.failed:
                     continue
                 try:
-                    go = run_row(row, dirs[row.source], truth_path, env_for(row), f"cold-{os.getpid()}-{rnd}", args.reloads)
+                    go = run_row(row, dirs[row.source], truth_path, env_for(row), f"cold-{os.getpid()}-{rnd}",
+                                 args.reloads if rnd else 0)  # fmt: skip
                 except SystemExit as exc:  # a loader that does not run here: the other rows go on
                     row.failed = str(exc)
                     print(f"  FAILED {row.name}: {exc}", flush=True)
