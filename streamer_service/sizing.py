@@ -78,9 +78,11 @@ def ring_slots(budget: int, slot: int, batches: int, *, cap_bytes: int | None = 
 
 
 def first_ring_slots(budget: int, slot: int, in_flight: int) -> int:
-    """Ring slots a load takes before its ranks release any: those in flight, one delivered and one
-    the ranks read (what the daemon makes when it starts, ahead of its first load)."""
-    return min(budget // slot, -(-in_flight // slot) + 2)
+    """Ring slots a load takes before its ranks release any: those in flight, and a request's worth
+    (:data:`REQUESTS_IN_FLIGHT` of the bytes in flight) delivered and being read, at least two
+    (what the daemon makes when it starts, ahead of its first load)."""
+    in_flight_slots = -(-in_flight // slot)
+    return min(budget // slot, in_flight_slots + max(2, -(-in_flight_slots // REQUESTS_IN_FLIGHT)))
 
 
 def in_flight_bytes(target_gbps: float, slot: int, budget: int) -> int:

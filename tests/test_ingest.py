@@ -148,3 +148,34 @@ def test_the_nic_rate_bounds_a_loads_bytes_in_flight():
     assert small.in_flight == 2 * 256 * 1024**2
     large = EngineConfig.from_settings(Settings(shm_budget="2GiB", slot_size="256MiB", target_gbps=400))
     assert large.in_flight == 2 * 1024**3
+
+
+def test_a_head_sent_after_batches_landed_answers_for_them_and_a_later_batch_asks_again(tmp_path):
+    """Version checks: batches that landed before a HEAD was sent share it; a batch that landed
+    after it gets a HEAD of its own, and that one sees an object changed since."""
+    import os
+
+    from streamer_client.errors import ObjectChangedError
+    from streamer_service.plan import build_plan
+    from streamer_service.versions import ObjectVersions
+
+    src = tmp_path / "ckpt"
+    make_sharded_checkpoint(src, {f"w{i}": torch.full((256, 256), float(i)) for i in range(4)}, n_shards=1)
+    uri = parse_uri(str(src))
+    catalog = build_catalog(open_storage(uri, Settings()))
+    first, second = [b for b in build_plan(list(catalog.tensors), 256 * 1024).batches if b.ranges][:2]
+    versions = ObjectVersions(uri, catalog.files, Settings())
+    versions.open_soon()
+    try:
+        landed = time.monotonic()
+        versions.check(first, landed)
+        versions.check(second, landed)  # landed before the first HEAD was sent: the same answer
+        assert versions.checks == 1
+        shard = src / first.ranges[0].file
+        shard.write_bytes(shard.read_bytes() + b"\0")  # the object changed after that HEAD
+        os.utime(shard, ns=(time.time_ns(), time.time_ns() + 10**9))
+        with pytest.raises(ObjectChangedError, match="changed while it was being loaded") as caught:
+            versions.check(second, time.monotonic())  # landed after it: asks again
+        assert caught.value.key == first.ranges[0].file and versions.checks == 2
+    finally:
+        versions.close()
