@@ -13,7 +13,7 @@
 # built (`pip install -e client`), which is the streamer-client and streamer-service it runs. Root,
 # for the huge=always tmpfs (skipped where it cannot be mounted).
 # Environment: SIZE_GB (6.44), PROCS (3), RELOADS (2), ROWS (all), PROFILE (1), IMPORTS (1),
-# TESTS (1), TESTS_S (the suite's time limit, at most what is left of 570 s), OUT (where the logs go).
+# TESTS (1), TESTS_S (the suite's time limit, at most what is left of LIMIT, 570 s), OUT (where the logs go).
 set -uo pipefail
 
 SIZE_GB=${SIZE_GB:-6.44}
@@ -54,7 +54,7 @@ if [ "${IMPORTS:-1}" = 1 ]; then
     python3 benchmarks/import_time.py --device cuda:0 --runs 5 2>&1 | tee "$OUT/import_time.log" | tail -12
 fi
 
-LEFT=$((570 - SECONDS))
+LEFT=$((${LIMIT:-570} - SECONDS))
 [ -n "${TESTS_S:-}" ] && [ "$TESTS_S" -lt "$LEFT" ] && LEFT=$TESTS_S
 if [ "${TESTS:-1}" = 1 ] && [ "$LEFT" -ge 30 ]; then
     # One pytest process, this order: a test that asserts the process's page-locked ranges must
