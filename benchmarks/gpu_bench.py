@@ -25,6 +25,10 @@ Rows (GB = 1e9 bytes; each row's rate is the median of its repetitions):
   resident copy in shared memory: what a restarted engine sees.
 
 Data is random (never zeros). Prints the machine, then the table last.
+
+``--issue``: every loader side by side, each load the first of a fresh process (InstantTensor,
+fastsafetensors, plain Run:ai, ours embedded and through a daemon): ``benchmarks/cold_start.py``,
+which takes the arguments that follow ``--issue``.
 """
 
 from __future__ import annotations
@@ -35,7 +39,6 @@ import mmap
 import multiprocessing as mp
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
@@ -52,6 +55,7 @@ for path in (REPO / "client", REPO):  # run from a checkout
         sys.path.insert(0, str(path))
 
 import streamer_client  # noqa: E402
+from cold_start import write_checkpoint  # noqa: E402  (one checkpoint layout for both scripts)
 from streamer_client.cuda import PinnedCopier, address_of  # noqa: E402
 from streamer_service.bench.sources import warm_page_cache  # noqa: E402
 from streamer_service.daemon.server import ChildDaemon  # noqa: E402
@@ -87,35 +91,6 @@ def map_shm_file(path: Path) -> tuple[mmap.mmap, np.ndarray]:
     with open(path, "r+b") as f:
         memory = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED)
     return memory, np.frombuffer(memory, dtype=np.uint8)
-
-
-def write_checkpoint(directory: Path, size_gb: float, device: str, embed_rows: int = EMBED_ROWS) -> int:
-    """An embedding larger than a slot, then layers of 4 bf16 matrices + 2 f32 norms, in 4 shards."""
-    from safetensors.torch import save_file
-
-    layers = max(1, round((size_gb * GB - embed_rows * HIDDEN * 2) / (4 * MATRIX)))
-    specs: list[tuple[str, tuple[int, ...], torch.dtype]] = [("model.embed_tokens.weight", (embed_rows, HIDDEN), torch.bfloat16)]
-    for i in range(layers):
-        for part in ("attn.qkv", "attn.o", "mlp.up", "mlp.down"):
-            specs.append((f"model.layers.{i}.{part}.weight", (HIDDEN, HIDDEN), torch.bfloat16))
-        for part in ("input_norm", "post_norm"):
-            specs.append((f"model.layers.{i}.{part}.weight", (HIDDEN,), torch.float32))
-    shards = 4
-    per_shard = -(-len(specs) // shards)
-    weight_map, total, seed = {}, 0, 100
-    for s in range(shards):
-        name = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        tensors = {}
-        for tname, shape, dtype in specs[s * per_shard : (s + 1) * per_shard]:
-            nbytes = int(np.prod(shape)) * dtype.itemsize
-            seed += 1
-            tensors[tname] = _random_gpu_bytes(nbytes, device, seed).view(dtype).reshape(shape).cpu()
-            total += nbytes
-            weight_map[tname] = name
-        save_file(tensors, str(directory / name))
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
-    return total
 
 
 # --------------------------------------------------------------------------- measurements
@@ -274,271 +249,6 @@ def two_ranks(kind: str, arg: str, reps: int, expected: int, cache_dir: Path, en
     return [got[r] for r in range(world)]
 
 
-# --------------------------------------------------------------------------- issue 16: every loader side by side
-
-ISSUE_EMBED_ROWS = 131072  # a 1 GiB bf16 embedding, as in issue 16's checkpoint
-RUNAI_ENV = {"RUNAI_STREAMER_FS_STRATEGY": "sync_buffered"}  # its page-cache reader (DESIGN.md 6)
-
-
-def _load(kind: str, directory: str, device: str, rank: int, world: int, session: str) -> dict[str, torch.Tensor]:
-    """One load by ``kind``, tensors kept on ``device`` (each loader's public API, as a user calls it)."""
-    files = sorted(str(p) for p in Path(directory).glob("*.safetensors"))
-    if kind == "runai":
-        from runai_model_streamer import SafetensorsStreamer
-
-        out = {}
-        with SafetensorsStreamer() as streamer:
-            streamer.stream_files(files)
-            for name, tensor in streamer.get_tensors():
-                out[name] = tensor.to(device)
-        return out
-    if kind == "instanttensor":
-        from instanttensor import safe_open
-
-        out = {}
-        with safe_open(files, framework="pt", device=torch.device(device).index) as f:
-            for name, tensor in f.tensors():
-                out[name] = tensor.clone()  # its tensors are views of a buffer it reuses
-        return out
-    # ours: embedded without STREAMER_SOCKET, daemon mode with it (the ranks of a rep share a session)
-    return streamer_client.load_state_dict(directory, device=device, rank=rank, world_size=world, session=session)
-
-
-def _issue_rank(rank: int, kind: str, directory: str, reps: int, world: int, env: dict, barrier, results) -> None:
-    try:
-        os.environ.update(env)
-        import faulthandler
-
-        faulthandler.dump_traceback_later(float(os.environ.get("ISSUE_HANG_S", "600")), exit=True)  # a hang shows where
-        device = "cuda:0"  # every rank on the one GPU, as the issue measures
-        torch.cuda.set_device(device)
-        torch.zeros(1, device=device)  # CUDA context before the go signal
-        spans = []
-        for rep in range(reps):
-            barrier.wait()
-            start = time.time()  # one clock for every process of the machine: wall = last end - first start
-            state = _load(kind, directory, device, rank, world, f"issue-{os.getppid()}-{rep}")
-            torch.cuda.synchronize(device)
-            end = time.time()
-            nbytes = sum(t.numel() * t.element_size() for t in state.values())
-            if rep == 0:
-                _spot_check(Path(directory), state)
-            del state
-            torch.cuda.empty_cache()
-            spans.append((start, end, nbytes))
-        results.put((rank, spans, None))
-    except BaseException as exc:  # report, don't hang the barrier's other parties
-        barrier.abort()
-        results.put((rank, [], repr(exc)))
-
-
-def issue_row(kind: str, directory: Path, reps: int, world: int = 1, env: dict | None = None) -> list[tuple[float, int]]:
-    """``reps`` loads by ``world`` rank processes started together: (wall seconds, bytes per rank) each."""
-    ctx = mp.get_context("spawn")
-    barrier, results = ctx.Barrier(world), ctx.Queue()
-    procs = [ctx.Process(target=_issue_rank, args=(r, kind, str(directory), reps, world, env or {}, barrier, results))
-             for r in range(world)]  # fmt: skip
-    for p in procs:
-        p.start()
-    spans = {}
-    for _ in procs:
-        try:
-            rank, got, error = results.get(timeout=float(os.environ.get("ISSUE_HANG_S", "600")) + 60)
-        except Exception:
-            raise SystemExit(f"{kind}: no result from a rank (exit codes {[p.exitcode for p in procs]})") from None
-        if error:
-            raise SystemExit(f"{kind} rank {rank} failed: {error}")
-        spans[rank] = got
-    for p in procs:
-        p.join()
-    if world > 1:  # each rank's own span per repetition: do the ranks overlap or queue behind each other?
-        for i in range(reps):
-            first = min(spans[r][i][0] for r in spans)
-            print(f"    {kind} rep {i}: " + "  ".join(f"rank {r} {spans[r][i][0] - first:.2f}->{spans[r][i][1] - first:.2f} s"
-                                                 for r in sorted(spans)), flush=True)  # fmt: skip
-    return [
-        (max(spans[r][i][1] for r in spans) - min(spans[r][i][0] for r in spans), spans[0][i][2])
-        for i in range(reps)
-    ]
-
-
-def issue_rows(disk_dir: Path, shm_root: Path, args, label: str) -> dict[str, list[tuple[float, int]]]:
-    """Every row that depends on the shm dir's pages (``label``); the page-cache rows on ``"4k"`` only."""
-    rows: dict[str, list[tuple[float, int]]] = {}
-    reps = args.e2e_reps + 1  # the first of each is a warm-up, dropped below (except cold rows)
-
-    # e.g. "daemon" or "runai x4,daemon 4": only the rows whose name starts with one of these
-    only = tuple(p for p in os.environ.get("ISSUE_ROWS", "").split(",") if p)
-
-    def row(name: str, kind: str, directory: Path, world: int = 1, env: dict | None = None, n: int = reps) -> None:
-        if only and not name.startswith(only):
-            return
-        rows[name] = issue_row(kind, directory, n, world, env)
-        walls = [w for w, _ in rows[name][1:]] or [rows[name][0][0]]
-        print(f"  [{label}] {name}: median {statistics.median(walls):.3f} s", flush=True)
-
-    # A name of its own per run: a copy at a path loaded before (a probe's /dev/shm/ckpt) is another
-    # version of those files, which the metadata cache rightly refuses (ObjectChangedError).
-    tmpfs_dir = shm_root / f"ckpt-{label}-{os.getpid()}"
-    if not tmpfs_dir.exists():
-        shutil.copytree(disk_dir, tmpfs_dir)
-    if label == "4k":
-        row("runai, page cache", "runai", disk_dir, env=RUNAI_ENV)
-        row("instanttensor, page cache", "instanttensor", disk_dir, n=2)
-        row("embedded, page cache", "embedded", disk_dir)
-        row("runai x4 independent, page cache", "runai", disk_dir, world=4, env=RUNAI_ENV)
-    row("runai, tmpfs dir", "runai", tmpfs_dir, env=RUNAI_ENV)
-    row("instanttensor, tmpfs dir", "instanttensor", tmpfs_dir)
-    row("embedded, tmpfs dir", "embedded", tmpfs_dir)
-    row("embedded with Run:ai's reader, tmpfs dir", "embedded", tmpfs_dir, env={"STREAMER_LOCAL_READER": "runai"})
-    for i in range(args.pairs):  # alternating processes, so that the machine's drift falls on both alike
-        for kind in ("instanttensor", "embedded")[:: 1 if i % 2 == 0 else -1]:  # who goes first alternates too
-            row(f"pair {i}: {kind}, tmpfs dir", kind, tmpfs_dir)
-    root = Path(tempfile.mkdtemp(prefix="issue-daemon-", dir=shm_root))
-    daemon = ChildDaemon(root, args.daemon_budget, env={"STREAMER_CACHE_DIR": str(root / "cache")})
-    try:
-        row("daemon 1 rank, page cache", "daemon", disk_dir, env=daemon.env())
-        row("daemon 4 ranks, page cache", "daemon", disk_dir, world=4, env=daemon.env())
-    except BaseException:
-        print(daemon.log.read_text()[-4000:], flush=True)
-        raise
-    finally:
-        daemon.close()
-    retention = {"STREAMER_CACHE_DIR": str(root / "cache2"), "STREAMER_RETENTION_BUDGET": args.retention or "16GiB"}
-    daemon = ChildDaemon(root, args.daemon_budget, env=retention)
-    try:
-        page = daemon.client.call("/readyz")["shm_page_size"]
-        print(f"  [{label}] daemon shm pages: {page} bytes", flush=True)
-        row("daemon retained: cold, then warm reloads", "daemon", disk_dir, env=daemon.env(), n=reps + 1)
-    finally:
-        daemon.close()
-    return rows
-
-
-def _loads_rate(loads: list[tuple[float, int]], which: str = "warm") -> float:
-    """GB/s of one row's loads (wall seconds, bytes): the first (``cold``) or the median of the others (``warm``)."""
-    if which == "cold":
-        wall, nbytes = loads[0]
-    else:
-        wall, nbytes = statistics.median(w for w, _ in loads[1:]), loads[0][1]
-    return nbytes / wall / GB
-
-
-def _rate(rows: dict, name: str, which: str = "warm") -> float | None:
-    """GB/s of row ``name`` (:func:`_loads_rate`), ``None`` where it was not measured."""
-    got = rows.get(name)
-    return _loads_rate(got, which) if got else None
-
-
-def issue_table(columns: dict[str, dict[str, list[tuple[float, int]]]]) -> None:
-    """The issue's figures, one column per shm kind, with ratios against Run:ai and InstantTensor."""
-
-    def cells(values: list[float | None]) -> str:  # one column per page size; blank where not measured
-        return "".join(f"{v:>9.2f}" if v else f"{'':>9}" for v in values)
-
-    k4 = columns.get("4k", {})
-    lines = [("runai, page cache", "plain Run:ai sync_buffered -> .to(cuda), 1 rank"),
-             ("runai, tmpfs dir", "plain Run:ai, files on tmpfs"),
-             ("instanttensor, page cache", "InstantTensor 0.2.2, page cache (its direct I/O)"),
-             ("instanttensor, tmpfs dir", "InstantTensor 0.2.2, files on tmpfs"),
-             ("embedded, page cache", "embedded load_state_dict(dir, cuda:0), page cache"),
-             ("embedded, tmpfs dir", "embedded load_state_dict(dir, cuda:0), files on tmpfs"),
-             ("embedded with Run:ai's reader, tmpfs dir", "  the same, STREAMER_LOCAL_READER=runai"),
-             ("daemon 1 rank, page cache", "daemon, 1 rank, cold (page cache)")]  # fmt: skip
-    names = list(columns)
-    print()
-    print("GB/s per rank (GB = 1e9 bytes; medians; 'tmpfs' and shm dirs are /dev/shm (4k) or a huge=always tmpfs (thp))")
-    print(f"{'path':<58}" + "".join(f"{n:>9}" for n in names) + "   x runai  x IT(tmpfs)")
-    runai = _rate(k4, "runai, page cache")
-    for key, label in lines + [("daemon retained: cold, then warm reloads", "daemon, warm reload from the resident copy")]:
-        values = [_rate(columns[n], key) if key in columns[n] else _rate(k4, key) for n in names]
-        best = max((v for v in values if v), default=None)
-        it = max((_rate(columns[n], "instanttensor, tmpfs dir") or 0) for n in names) or None
-        ratios = f"   {best / runai:>7.2f}  {best / it:>10.2f}" if best and runai and it else ""
-        print(f"{label:<58}" + cells(values) + ratios)
-    cold = [_rate(columns[n], "daemon retained: cold, then warm reloads", "cold") for n in names]
-    print(f"{'daemon retained, first (cold) load':<58}" + cells(cold))
-    # Every row's first load is its process's first (and, for the daemon rows, a fresh daemon's).
-    for key, label in [("instanttensor, tmpfs dir", "  first load of a process: InstantTensor, tmpfs"),
-                       ("embedded, tmpfs dir", "  first load of a process: embedded, tmpfs"),
-                       ("embedded, page cache", "  first load of a process: embedded, page cache"),
-                       ("daemon 1 rank, page cache", "  first load on a fresh daemon, 1 rank")]:  # fmt: skip
-        values = [_rate(columns[n], key, "cold") if key in columns[n] else _rate(k4, key, "cold") for n in names]
-        print(f"{label:<58}" + cells(values))
-    ind = k4.get("runai x4 independent, page cache")
-    if ind:
-        runai4 = statistics.median(w for w, _ in ind[1:])
-        for n in names:
-            d4 = columns[n].get("daemon 4 ranks, page cache")
-            if d4:
-                wall = statistics.median(w for w, _ in d4[1:])
-                print(f"4 ranks on cuda:0, each all tensors: daemon wall / 4 independent Run:ai wall [{n}]: "
-                      f"{wall:.2f} s / {runai4:.2f} s = {wall / runai4:.2f}")  # fmt: skip
-
-
-def pairs_table(columns: dict[str, dict[str, list[tuple[float, int]]]]) -> None:
-    """``--pairs``: InstantTensor and the embedded engine from the same tmpfs dir, in alternating
-    processes; each round's reloads and first loads, embedded / InstantTensor, and the medians."""
-    for column, rows in columns.items():
-        rounds = sorted({int(k.split(":")[0].split()[1]) for k in rows if k.startswith("pair ")})
-        if not rounds:
-            continue
-        print()
-        print(f"InstantTensor vs embedded, files on tmpfs [{column}], alternating processes (GB/s; ratio embedded / IT)")
-        print(f"{'round':<8}{'IT':>9}{'embedded':>10}{'ratio':>8}   {'first: IT':>10}{'embedded':>10}{'ratio':>8}")
-        warm, cold = [], []
-        for i in rounds:
-            it, ours = (rows[f"pair {i}: {kind}, tmpfs dir"] for kind in ("instanttensor", "embedded"))
-            w = [_loads_rate(loads) for loads in (it, ours)]
-            c = [_loads_rate(loads, "cold") for loads in (it, ours)]
-            warm.append(w[1] / w[0])
-            cold.append(c[1] / c[0])
-            print(f"{i:<8}{w[0]:>9.2f}{w[1]:>10.2f}{warm[-1]:>8.2f}   {c[0]:>10.2f}{c[1]:>10.2f}{cold[-1]:>8.2f}")
-        print(f"{'median':<8}{'':>19}{statistics.median(warm):>8.2f}   {'':>20}{statistics.median(cold):>8.2f}")
-
-
-def issue_main(args) -> None:
-    """``--issue``: the checkpoint of issue 16; /dev/shm rows, then (``--huge-pages``) the same rows in a
-    private mount namespace whose /dev/shm is a tmpfs mounted huge=always; one table."""
-    print(machine(), flush=True)
-    columns: dict[str, dict] = {}
-    if args.issue_child:  # inside the namespace: shm-dependent rows only, as JSON
-        rows = issue_rows(args.dir, Path("/dev/shm"), args, args.issue_child)
-        args.json.write_text(json.dumps(rows))
-        return
-    with tempfile.TemporaryDirectory(prefix="gpu-bench-issue-", dir=args.disk_dir) as tmp:
-        directory = args.dir or Path(tmp) / "ckpt"
-        directory.mkdir(parents=True, exist_ok=True)
-        total = write_checkpoint(directory, args.size_gb, "cuda:0", embed_rows=ISSUE_EMBED_ROWS)
-        warm_page_cache(directory)
-        print(f"checkpoint {total / GB:.2f} GB in {directory}", flush=True)
-        ceiling_rates = ceiling(total // MIB * MIB // 4, "cuda:0", args.reps)
-        print(f"  pinned H2D ceiling: {statistics.median(ceiling_rates):.2f} GB/s", flush=True)
-        shm_root = Path(tempfile.mkdtemp(prefix="gpu-bench-issue-", dir="/dev/shm"))
-        try:
-            columns["4k"] = issue_rows(directory, shm_root, args, "4k")
-        finally:
-            shutil.rmtree(shm_root, ignore_errors=True)
-        if args.huge_pages:
-            out = Path(tmp) / "thp.json"
-            size = f"{int(args.size_gb * 3 + 24)}G"
-            child = [sys.executable, __file__, "--issue", "--issue-child", "thp", "--dir", str(directory), "--json", str(out),
-                     "--size-gb", str(args.size_gb), "--e2e-reps", str(args.e2e_reps), "--daemon-budget", args.daemon_budget,
-                     "--pairs", str(args.pairs)]  # fmt: skip
-            if args.retention:
-                child += ["--retention", args.retention]
-            mount = f"mount -t tmpfs -o huge=always,size={size} tmpfs /dev/shm"
-            subprocess.run(["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", f'{mount} && exec "$@"', "sh", *child],
-                           check=True)  # fmt: skip
-            columns["thp"] = {k: [tuple(x) for x in v] for k, v in json.loads(out.read_text()).items()}
-        print()
-        print(f"pinned H2D ceiling {statistics.median(ceiling_rates):.2f} GB/s; checkpoint {total / GB:.2f} GB")
-        issue_table(columns)
-        pairs_table(columns)
-        if args.json:
-            args.json.write_text(json.dumps({"machine": machine(), "checkpoint_bytes": total, "columns": columns}, indent=1))
-
-
 # --------------------------------------------------------------------------- main
 
 
@@ -569,18 +279,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--json", type=Path, help="also write every measurement here")
     parser.add_argument("--daemon-budget", default="4GiB", help="shm budget of the daemon rows' daemon")
     parser.add_argument("--retention", help="also cold vs warm rows with a daemon keeping this much resident, e.g. 16GiB")
-    parser.add_argument("--issue", action="store_true", help="issue 16's rows: every loader side by side")
-    parser.add_argument("--huge-pages", action="store_true", help="with --issue: also on a huge=always tmpfs (root)")
-    parser.add_argument("--disk-dir", type=Path, help="with --issue: where the page-cache checkpoint goes (default TMPDIR)")
-    parser.add_argument("--pairs", type=int, default=0,
-                        help="with --issue: also this many rounds of InstantTensor and embedded from tmpfs (each a fresh process; the order alternates)")  # fmt: skip
-    parser.add_argument("--issue-child", help=argparse.SUPPRESS)
+    parser.add_argument("--issue", action="store_true",
+                        help="every loader side by side, each load a fresh process's first: benchmarks/cold_start.py, "
+                             "which takes the arguments that follow")  # fmt: skip
+    argv = sys.argv[1:] if argv is None else argv
+    if "--issue" in argv:
+        import cold_start
+
+        cold_start.main([a for a in argv if a != "--issue"])
+        return
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("gpu_bench needs CUDA")
-    if args.issue:
-        issue_main(args)
-        return
     device = "cuda:0"
     nbytes = int(args.size_gb * GB) // MIB * MIB
     print(machine(), flush=True)
@@ -614,7 +324,7 @@ def main(argv: list[str] | None = None) -> None:
 
         directory = args.dir or Path(tmp) / "ckpt"
         directory.mkdir(parents=True, exist_ok=True)
-        total = write_checkpoint(directory, args.size_gb, device)
+        total = write_checkpoint(directory, args.size_gb, device, embed_rows=EMBED_ROWS)
         warm_page_cache(directory)
         torch.cuda.empty_cache()
         cache_dir = Path(tmp) / "cache"

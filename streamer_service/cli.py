@@ -30,7 +30,8 @@ def _settings(args: argparse.Namespace) -> Settings:
     for field in ("cache_dir", "shm_dir", "socket", "shm_budget", "retention_budget", "allow", "tcp_port", "group_access",
                   "metrics_port", "metrics_host", "target_gbps"):  # fmt: skip
         value = getattr(args, field, None)
-        if value not in (None, [], False):
+        # `is`, not `in`: a flag of 0 (`--tcp-port 0`) is a value to validate, not an absent flag.
+        if value is not None and value is not False and value != []:
             update[field] = value
     return read_settings(update) if update else get_settings()
 

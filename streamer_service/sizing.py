@@ -12,6 +12,10 @@ NIC rate (``STREAMER_TARGET_GBPS``, docs/configuration.md "Read parallelism"):
   bandwidth × :data:`REQUEST_LATENCY_S`, never less than :data:`MIN_IN_FLIGHT_SLOTS` slots. The
   pipeline submits no more than that: the head of the checkpoint lands first, and the ranks work
   on it while the rest is read (everything submitted at once lands all together, at the end);
+- **requests**: the bytes in flight go to Run:ai as :data:`REQUESTS_IN_FLIGHT` requests of whole
+  batches (:func:`submission_size`): Run:ai splits each request across all its workers and serves
+  the requests in flight side by side, so fewer, larger ones keep it as busy with less ramp-up
+  and tail per request;
 - **Run:ai's parallelism** for that rate: :class:`ReadParallelism`.
 """
 
@@ -24,7 +28,7 @@ from streamer_client.settings import MIN_SHM_BUDGET
 
 __all__ = [
     "FEW_SLOTS", "MIN_IN_FLIGHT_SLOTS", "REQUEST_LATENCY_S", "ReadParallelism", "first_ring_slots", "in_flight_bytes",
-    "ring_slots", "slot_bytes",
+    "ring_slots", "slot_bytes", "submission_size",
 ]  # fmt: skip
 
 MiB = 1024**2
@@ -34,6 +38,9 @@ FEW_SLOTS = 4
 
 MIN_IN_FLIGHT_SLOTS = 2
 """One batch landing while the next is already asked for."""
+
+REQUESTS_IN_FLIGHT = 2
+"""Run:ai requests the bytes in flight are cut into: one landing while the next is read."""
 
 REQUEST_LATENCY_S = 0.1
 """The request latency the bytes in flight cover: object stores answer a ranged GET's first byte in
@@ -71,9 +78,11 @@ def ring_slots(budget: int, slot: int, batches: int, *, cap_bytes: int | None = 
 
 
 def first_ring_slots(budget: int, slot: int, in_flight: int) -> int:
-    """Ring slots a load takes before its ranks release any: those in flight, one delivered and one
-    the ranks read (what the daemon makes when it starts, ahead of its first load)."""
-    return min(budget // slot, -(-in_flight // slot) + 2)
+    """Ring slots a load takes before its ranks release any: those in flight, and a request's worth
+    (:data:`REQUESTS_IN_FLIGHT` of the bytes in flight) delivered and being read, at least two
+    (what the daemon makes when it starts, ahead of its first load)."""
+    in_flight_slots = -(-in_flight // slot)
+    return min(budget // slot, in_flight_slots + max(2, -(-in_flight_slots // REQUESTS_IN_FLIGHT)))
 
 
 def in_flight_bytes(target_gbps: float, slot: int, budget: int) -> int:
@@ -81,6 +90,12 @@ def in_flight_bytes(target_gbps: float, slot: int, budget: int) -> int:
     :data:`MIN_IN_FLIGHT_SLOTS` slots, at most the budget (but one slot is always allowed)."""
     wanted = max(math.ceil(target_gbps * 1e9 / 8 * REQUEST_LATENCY_S), MIN_IN_FLIGHT_SLOTS * slot)
     return max(min(wanted, budget), slot)
+
+
+def submission_size(in_flight: int | None) -> int:
+    """Most bytes of one Run:ai request: the bytes in flight over :data:`REQUESTS_IN_FLIGHT` (a
+    request holds whole batches, at least one; no bound in flight: one batch a request)."""
+    return in_flight // REQUESTS_IN_FLIGHT if in_flight else 0
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
 """The process's pool of page-locked ring slots (streamer_service.embedded.buffers), over a fake CUDA runtime.
 
 The CUDA calls are the only fake: buffers are real anonymous mappings, registration goes through
-the real :class:`streamer_client.pinning.HostPinner` and its process-wide registry. The device side
-(real ``cudaHostRegister``, loads through the engine) is tests/test_cuda.py.
+the real :class:`streamer_client.pinning.HostPinner` and a registry of the test's own (the process's
+one may hold what other tests' loads keep on purpose: the staging ring, kept slots and segments).
+The device side (real ``cudaHostRegister``, loads through the engine) is tests/test_cuda.py.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import gc
 
 import pytest
 
-from streamer_client.cuda import HostPinner, registered_ranges
+from streamer_client.pinning import HostPinner, _Registry
 from streamer_service.embedded.buffers import HostBuffer, PinnedPool
 
 KIB = 1024
@@ -58,11 +59,16 @@ def clock():
 
 
 @pytest.fixture
-def pool(fake, clock):
-    pool = PinnedPool(pinner=HostPinner(fake), idle_s=30.0, clock=clock)
+def registry():
+    return _Registry()
+
+
+@pytest.fixture
+def pool(fake, clock, registry):
+    pool = PinnedPool(pinner=HostPinner(fake, registry=registry), idle_s=30.0, clock=clock)
     yield pool
     pool.close()
-    assert registered_ranges() == {}
+    assert registry.ranges() == {}
 
 
 def _load(pool: PinnedPool, sizes: list[int]) -> list[HostBuffer]:
@@ -75,11 +81,11 @@ def _load(pool: PinnedPool, sizes: list[int]) -> list[HostBuffer]:
     return slots
 
 
-def test_a_reload_pins_nothing_and_a_larger_ring_pins_only_the_extra_slots(pool, fake):
+def test_a_reload_pins_nothing_and_a_larger_ring_pins_only_the_extra_slots(pool, fake, registry):
     first = _load(pool, [64 * KIB] * 2)
     assert pool.stats.pinned == 2 and fake.calls == ["register"] * 2
     pool.give_back(first)
-    assert pool.stats.idle == 2 and pool.idle_ranges() == registered_ranges()
+    assert pool.stats.idle == 2 and pool.idle_ranges() == registry.ranges()
     second = _load(pool, [64 * KIB] * 3)
     assert {b.address for b in first} < {b.address for b in second}, "the idle slots are taken again"
     assert pool.stats.reused == 2 and pool.stats.pinned == 3
@@ -89,23 +95,23 @@ def test_a_reload_pins_nothing_and_a_larger_ring_pins_only_the_extra_slots(pool,
     assert pool.stats.idle == 3 and pool.stats.pinned_bytes == 3 * 64 * KIB
 
 
-def test_slots_of_another_size_are_released_when_a_load_ends(pool, fake):
+def test_slots_of_another_size_are_released_when_a_load_ends(pool, fake, registry):
     pool.give_back(_load(pool, [64 * KIB] * 2))
     other = _load(pool, [128 * KIB])
     assert pool.stats.reused == 0  # no idle slot of that size
     pool.give_back(other)
-    assert pool.idle_ranges() == {other[0].address: 128 * KIB} == registered_ranges()
+    assert pool.idle_ranges() == {other[0].address: 128 * KIB} == registry.ranges()
     assert pool.stats.released == 2 and fake.calls.count("unregister") == 2
 
 
-def test_idle_slots_are_released_after_the_idle_time(pool, fake, clock):
+def test_idle_slots_are_released_after_the_idle_time(pool, fake, clock, registry):
     slots = _load(pool, [64 * KIB] * 2)
     pool.give_back(slots)
     clock.now += 29.0
     assert pool.sweep() == 0 and pool.stats.idle == 2
     clock.now += 2.0
     assert pool.sweep() == 2
-    assert registered_ranges() == {} and fake.registered == {}
+    assert registry.ranges() == {} and fake.registered == {}
     assert pool.stats.idle == 0 and pool.stats.pinned_bytes == 0
 
 
@@ -123,7 +129,7 @@ def test_released_slots_are_unmapped(pool):
     assert all(r() is None for r in refs), "a released slot's mapping is gone"
 
 
-def test_slots_that_could_not_be_pinned_are_not_kept(fake, clock, monkeypatch):
+def test_slots_that_could_not_be_pinned_are_not_kept(fake, clock, monkeypatch, registry):
     from streamer_client import pinning
 
     monkeypatch.setattr(pinning, "_fallback_warned", False)  # the one warning per process, not yet given
@@ -132,20 +138,20 @@ def test_slots_that_could_not_be_pinned_are_not_kept(fake, clock, monkeypatch):
         def host_register(self, address, nbytes, flags):
             return 2  # cudaErrorMemoryAllocation
 
-    pool = PinnedPool(pinner=HostPinner(Refusing()), clock=clock)
+    pool = PinnedPool(pinner=HostPinner(Refusing(), registry=registry), clock=clock)
     buffer = HostBuffer(64 * KIB)
     with pytest.warns(RuntimeWarning, match="pageable"):
         assert not pool.pin(buffer)
     pool.give_back([buffer])
-    assert pool.stats.idle == 0 and pool.stats.pinned == 0 and registered_ranges() == {}
+    assert pool.stats.idle == 0 and pool.stats.pinned == 0 and registry.ranges() == {}
 
 
-def test_the_janitor_releases_idle_slots_without_a_further_load(fake):
+def test_the_janitor_releases_idle_slots_without_a_further_load(fake, registry):
     import time
 
-    pool = PinnedPool(pinner=HostPinner(fake), idle_s=0.2)
+    pool = PinnedPool(pinner=HostPinner(fake, registry=registry), idle_s=0.2)
     pool.give_back(_load(pool, [64 * KIB]))
     deadline = time.monotonic() + 10
     while pool.stats.idle and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert pool.stats.idle == 0 and registered_ranges() == {}
+    assert pool.stats.idle == 0 and registry.ranges() == {}

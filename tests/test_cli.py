@@ -207,8 +207,9 @@ def _serve(tmp_path, *args, env=None):
         ([], {"STREAMER_SHM_BUDGET": "lots"}, "STREAMER_SHM_BUDGET='lots': "),
         (["--shm-budget", "1"], {}, "STREAMER_SHM_BUDGET='1': a budget of 1 bytes is below one slot (65536 bytes = 64KiB)"),
         ([], {"STREAMER_ALLOW": "s3://okay/m, hdfs://nn/m"}, "prefix 'hdfs://nn/m' is not a URI this daemon can read"),
+        (["--tcp-port", "0"], {"STREAMER_TOKEN": "t0ken"}, "STREAMER_TCP_PORT=0: 0 is below the least allowed, 1"),
     ],
-    ids=["shm-dir", "bogus-scheme", "one-slash", "env-budget", "budget-below-a-slot", "env-allow-list"],
+    ids=["shm-dir", "bogus-scheme", "one-slash", "env-budget", "budget-below-a-slot", "env-allow-list", "tcp-port-zero"],
 )
 def test_serve_startup_errors_are_one_line_exit_2_before_serving(tmp_path, args, env, message):
     """Issue 14: these printed a uvicorn traceback after "serving on unix socket", and exited 3."""

@@ -100,6 +100,34 @@ def test_stream_from_each_backend_in_a_rank_process(backend, checkpoint):
         assert backend.proxy.count(has_range=True) > 0
 
 
+def test_budget_and_cache_dir_through_a_daemon_are_checked_and_said_once_per_process(checkpoint, daemon, tmp_path, caplog):
+    """Through a daemon a bad value raises as in-process; a good one is the daemon's to decide
+    (its --shm-budget, its cache): one WARNING says so per process, however many loads pass it."""
+    import logging
+
+    from streamer_client.errors import SettingsError
+
+    d = daemon()
+    for call in (streamer_client.stream, streamer_client.load_state_dict):
+        with pytest.raises(SettingsError, match=r"^invalid argument: budget='lots': [^\n]+$"):
+            call(checkpoint, socket=d.socket, budget="lots")
+        with pytest.raises(SettingsError, match=r"^invalid argument: cache_dir=123: not a path$"):
+            call(checkpoint, socket=d.socket, cache_dir=123)
+    with pytest.raises(SettingsError, match=r"^invalid argument: cache_dir=123: not a path$"):
+        streamer_client.pull_metadata(checkpoint, socket=d.socket, cache_dir=123)
+    assert d.stats()["finished"] == []  # refused before any session was joined
+    truth = ground_truth(checkpoint)
+    with caplog.at_level(logging.WARNING, logger="streamer_client"), pytest.warns(RuntimeWarning) as warned:
+        for _ in range(3):
+            got = streamer_client.load_state_dict(checkpoint, socket=d.socket, budget="64KiB", cache_dir=tmp_path / "mine")
+            assert set(got) == set(truth) and all(_same(got[n], truth[n]) for n in truth)
+    said = f"budget= and cache_dir= apply to in-process loads only; the daemon at {d.socket} loads with its own (serve --shm-budget, --cache-dir)"
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == [said]
+    assert [str(w.message) for w in warned if w.category is RuntimeWarning] == [said]
+    assert not (tmp_path / "mine").exists()  # the daemon's cache, not the argument's
+    assert len(d.stats()["finished"]) == 3
+
+
 def test_demo_runs_and_verifies(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "streamer_service", "demo", "--ranks", "2", "--size-mb", "8"],

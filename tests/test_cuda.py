@@ -350,6 +350,31 @@ def close_engine_pools():
         _POOLS.pop().close()
 
 
+def release_process_pins() -> None:
+    """Give back what a process keeps page-locked on purpose between its loads — the pinned pool's
+    idle slots, the staging ring, mapped daemon segments — so that a test asserting the process's
+    registrations sees its own only, whichever tests ran before it in this process."""
+    from streamer_client import delivery, segments
+    from streamer_service.embedded.buffers import pinned_pool
+
+    pinned_pool().close()
+    for maps in list(segments._ALL.values()):
+        maps.close()
+    if delivery._RING.claim():  # not in use by a load
+        try:
+            delivery._RING.release()
+        finally:
+            delivery._RING.give_back()
+    assert registered_ranges() == {}, "a range is still page-locked that no process-wide cache holds"
+
+
+@pytest.fixture(autouse=True)
+def own_registrations():
+    """Each GPU test starts with nothing page-locked (see release_process_pins)."""
+    if HAS_CUDA:
+        release_process_pins()
+
+
 def _engine(directory: Path, budget: int, slot: int, pool=None):
     """An engine whose CUDA loads keep their pinned slots in ``pool`` (default: one of its own,
     ``engine.pool``, so that tests see only their own registrations)."""

@@ -115,3 +115,45 @@ def test_huggingface_example_matches_transformers_own_loading(llama, tmp_path):
     assert torch.equal(torch.load(out), want)
     assert stdout.startswith("LlamaForCausalLM: ")
     assert f"next token after {TOKENS[0]}: {int(want[0, -1].argmax())}" in stdout
+
+
+def test_my_loader_under_torchrun_two_ranks_through_a_daemon_read_each_byte_once(llama, tmp_path):
+    """docs/quickstart.md's rank script, under torchrun as it is run there: LOCAL_RANK and
+    LOCAL_WORLD_SIZE are the ranks, TORCHELASTIC_RUN_ID joins them into one session."""
+    truth = ground_truth(llama)
+    select = ["model.layers.0.", "lm_head.weight"]
+    chosen = {n: t for n, t in truth.items() if n.startswith(select[0]) or n == select[1]}
+    d = DaemonProcess(tmp_path, {}).start()
+    try:
+        env = {k: v for k, v in d.rank_env().items() if k not in ("STREAMER_LAUNCH_ID", "TORCHELASTIC_RUN_ID")}
+        torchrun = Path(sys.executable).with_name("torchrun")
+        proc = subprocess.Popen(
+            [str(torchrun), "--standalone", "--nproc-per-node", "2", str(EXAMPLES / "my_loader.py"), str(llama),
+             "--select", *select, "--out", str(tmp_path)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        out = finished(proc)
+        stats = d.stats()
+    finally:
+        d.stop()
+    nbytes = sum(t.numel() * t.element_size() for t in chosen.values())
+    assert sorted(out.splitlines()) == [f"rank {r}/2: {len(chosen)} tensors, {nbytes} bytes" for r in range(2)]
+    for r in range(2):
+        loaded = load_file(tmp_path / f"rank{r}.safetensors")
+        assert loaded.keys() == chosen.keys()
+        for name, want in chosen.items():
+            assert loaded[name].dtype == want.dtype and torch.equal(loaded[name], want), name
+    # One session for both ranks (torchrun's run id): the node read the selection once.
+    assert len(stats["finished"]) == 1
+    assert stats["bytes_read"] == nbytes
+
+
+def test_my_loader_without_a_daemon_loads_in_process(llama, tmp_path):
+    env = {"STREAMER_SOCKET": str(tmp_path / "none.sock"), "STREAMER_CACHE_DIR": str(tmp_path / "cache")}
+    out = finished(run_example("my_loader.py", str(llama), "--out", str(tmp_path), env=env))
+    truth = ground_truth(llama)
+    assert out == f"rank 0/1: {len(truth)} tensors, {sum(t.numel() * t.element_size() for t in truth.values())} bytes\n"
+    loaded = load_file(tmp_path / "rank0.safetensors")
+    assert loaded.keys() == truth.keys()
+    for name, want in truth.items():
+        assert torch.equal(loaded[name], want), name

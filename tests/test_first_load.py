@@ -153,3 +153,24 @@ def test_an_abandoned_retained_load_unlinks_the_segments_made_ahead_for_it(node)
     assert len(files) < len(node.store.made_by)
     resident.close()
     assert list(node.shm.iterdir()) == []
+
+
+def test_a_ring_that_grows_makes_its_next_slots_off_the_loads_thread_within_the_budget(node):
+    """No segment prepared at start: once the ring grows, its next slots are made on the store's
+    maker threads; the bytes are exact, the budget holds (segments made ahead included; one
+    oversized tensor's buffer may go past it, as always), and
+    every segment is gone when the pool closes (the fixture checks)."""
+    pool = node.pool(6 * SLOT)
+    _load(node, pool)
+    assert any(name.startswith("segment-maker") for name in node.store.made_by)
+    oversized = build_plan(list(node.checkpoint.catalog.tensors), SLOT).oversized_bytes
+    assert pool.budget.peak <= 6 * SLOT + node.store.pages.round(oversized)  # the one oversized buffer beyond it
+    _prepared(pool)
+    assert pool.budget.in_use == sum(1 for _ in node.shm.iterdir()) * SLOT  # idle ones, all accounted
+
+
+def test_no_segment_is_made_ahead_when_none_may_stay_idle(node):
+    pool = node.pool(6 * SLOT, idle_s=0)
+    _load(node, pool)
+    assert not any(name.startswith("segment-maker") for name in node.store.made_by)
+    assert pool.budget.in_use == 0 and list(node.shm.iterdir()) == []

@@ -22,7 +22,7 @@ from . import errors
 from .errors import StreamerError
 from .launch import resolve_launch_id
 from .request import StreamRequest
-from .settings import DEFAULT_SOCKET, Settings
+from .settings import DEFAULT_SOCKET, Settings, parse_argument
 
 if TYPE_CHECKING:
     import torch
@@ -51,8 +51,11 @@ def pull_metadata(
     :func:`stream` finds it (``socket``, ``require_daemon``); without one this process pulls
     into ``cache_dir`` (default ``STREAMER_CACHE_DIR``) itself.
     """
+    if cache_dir is not None:
+        cache_dir = parse_argument("cache_dir", cache_dir, "cache_dir")
     client = _daemon(socket, require_daemon)
     if client is not None:
+        _say_in_process_only(["cache_dir"] if cache_dir is not None else [], client)
         with contextlib.closing(client):
             # The rank's TRTLLM_OBJECT_STORAGE_FORCE_PULL, as stream() sends it: the daemon's
             # environment is not the rank's: a forced stream() must not be served a stale config.
@@ -63,7 +66,7 @@ def pull_metadata(
             return Path(protocol.MetadataReply.from_wire(client.call(protocol.METADATA_PATH, body.to_wire(), read_timeout=None)).path)
     from .in_process import pull_in_process
 
-    return pull_in_process(uri, cache_dir=Path(cache_dir) if cache_dir is not None else None, force=force, launch_id=launch_id)
+    return pull_in_process(uri, cache_dir=cache_dir, force=force, launch_id=launch_id)
 
 
 _said_embedded = False
@@ -149,6 +152,10 @@ def stream(
     in the log), unless ``require_daemon=True`` or ``STREAMER_REQUIRE_DAEMON=1``: then it raises
     ``DaemonError`` instead of reading storage itself.
 
+    ``budget`` (e.g. ``"8GiB"``) and ``cache_dir`` size an in-process load: its buffer ring and
+    metadata cache. Through a daemon they are checked alike (``SettingsError`` naming the argument)
+    but the daemon's own apply (``serve --shm-budget``, its cache), and the client says so once.
+
     ``progress=True`` draws a bar of this rank's bytes and GB/s on stderr, following
     ``STREAMER_PROGRESS`` (``auto``: only on a terminal). It needs tqdm, which this package does
     not install; without it ``ConfigError`` says so, before anything is loaded.
@@ -165,32 +172,39 @@ def stream(
         session=session,
         progress=_progress_mode(progress),
         budget=budget,
-        cache_dir=Path(cache_dir) if cache_dir is not None else None,
+        cache_dir=cache_dir,
     )
     client = _daemon(socket, require_daemon)
     if client is not None:
         from .daemon import daemon_stream
 
-        _warn_in_process_only(request, client)
+        _say_in_process_only(request.in_process_only(), client)
         return daemon_stream(client, dataclasses.replace(request, launch_id=launch_id or _launch_id()))
     from .in_process import stream_in_process
 
     return stream_in_process(request)
 
 
-def _warn_in_process_only(request: StreamRequest, client) -> None:
-    """``budget=``/``cache_dir=`` size an in-process load; through a daemon its own settings
-    apply (``serve --shm-budget``, its metadata cache): said once per call, not ignored silently."""
-    given = request.in_process_only()
-    if given:
-        import warnings
+_said_in_process_only: set[str] = set()
 
-        message = (
-            f"{' and '.join(a + '=' for a in given)} applies to in-process loads only; the daemon at "
-            f"{client.socket} loads with its own (serve --shm-budget, --cache-dir)"
-        )
-        log.warning("%s", message)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+def _say_in_process_only(given: list[str], client) -> None:
+    """``budget=``/``cache_dir=`` size an in-process load; through a daemon its own settings apply
+    (``serve --shm-budget``, its metadata cache). Said (a WARNING and a ``RuntimeWarning``) once per
+    process and daemon, not ignored silently: a loader that passes them on every load says it once."""
+    if not given:
+        return
+    message = (
+        f"{' and '.join(a + '=' for a in given)} {'applies' if len(given) == 1 else 'apply'} to in-process loads only; the daemon at "
+        f"{client.socket} loads with its own (serve --shm-budget, --cache-dir)"
+    )
+    if message in _said_in_process_only:
+        return
+    _said_in_process_only.add(message)
+    import warnings
+
+    log.warning("%s", message)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def _progress_mode(asked: bool) -> str:

@@ -85,7 +85,16 @@ def _staged(pin_segments: str, reloading: bool) -> bool:
 
 def daemon_stream(client: DaemonClient, request: StreamRequest) -> Iterator[tuple[str, torch.Tensor]]:
     """Join (eagerly: selection errors raise here) and return the iterator over the tensors.
-    ``request.launch_id`` is resolved already."""
+    ``request.launch_id`` is resolved already. The load owns ``client``: closed when the iterator
+    ends (or when the join fails)."""
+    try:
+        return _joined(client, request)
+    except BaseException:
+        client.close()
+        raise
+
+
+def _joined(client: DaemonClient, request: StreamRequest) -> Iterator[tuple[str, torch.Tensor]]:
     device = resolve_device(request.device)
     cfg = Settings()
     body = protocol.JoinRequest(
@@ -196,6 +205,7 @@ class _Receiver:
                 if self._copier is not None:
                     self._copier.close()  # waits for copies in flight, unpins the segments
                 self._segments.close()
+                self._client.close()
 
     def _lent(self, batch: list[Handle]) -> Iterator[tuple[str, torch.Tensor]]:
         for h in batch:

@@ -140,6 +140,7 @@ class _StagingRing:
         if self._pinner is not None:
             self._pinner.close()
         self._slots = None
+        self.pinned = False
 
 
 _RING = _StagingRing(STAGING_SLOTS, STAGING_SLOT_BYTES)

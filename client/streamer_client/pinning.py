@@ -160,6 +160,11 @@ class _Registry:
                 if code and code != ERROR_NOT_REGISTERED:
                     log.warning("cudaHostUnregister(0x%x) failed: %s", address, cudart.error_string(code))
 
+    def ranges(self) -> dict[int, int]:
+        """``{base address: nbytes}`` of every range held."""
+        with self.lock:
+            return {address: entry.nbytes for address, entry in self.entries.items()}
+
     def _add(self, address: int, entry: _Entry) -> None:
         self.entries[address] = entry
         bisect.insort(self.starts, address)
@@ -170,8 +175,7 @@ _REGISTRY = _Registry()
 
 def registered_ranges() -> dict[int, int]:
     """``{base address: nbytes}`` of every range pinned through this module (for tests, leak checks)."""
-    with _REGISTRY.lock:
-        return {address: entry.nbytes for address, entry in _REGISTRY.entries.items()}
+    return _REGISTRY.ranges()
 
 
 _fallback_warned = False  # one warning per process, however many copiers fall back

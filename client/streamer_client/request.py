@@ -39,6 +39,8 @@ class StreamRequest:
         target(self.device, self.borrowed)
         if self.budget is not None:
             parse_argument("shm_budget", self.budget, "budget")
+        if self.cache_dir is not None:  # a path or a str: refused naming the argument otherwise
+            object.__setattr__(self, "cache_dir", parse_argument("cache_dir", self.cache_dir, "cache_dir"))
 
     def in_process_only(self) -> list[str]:
         """The arguments given that only an in-process load uses (a daemon has its own)."""

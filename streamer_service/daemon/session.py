@@ -221,7 +221,9 @@ class Session:
     # ------------------------------------------------------------------ streaming thread
 
     def _run(self, wanted: list[TensorInfo]) -> None:
-        started = self._clock()
+        started, began = self._clock(), time.monotonic()
+        if self._versions is not None:
+            self._versions.open_soon()  # the first batch's check then finds the client made
         try:
             missing = self._serve_resident(wanted)
             plan = build_plan(missing, self._slot_size)
@@ -247,9 +249,9 @@ class Session:
                     self._ledger.finish()
                     self._end(SessionState.DONE)
             log.info(
-                "session %s (%s, %d ranks): %d bytes read from storage, %d served from memory, in %.2f s",
+                "session %s (%s, %d ranks): %d bytes read from storage, %d served from memory, in %.2f s; %s; %d version checks",
                 self.key, self.checkpoint.uri, len(self.ranks), self.stats.bytes_read, self.resident_bytes,
-                self._clock() - started,
+                self._clock() - started, self.stats.describe(began), self._versions.checks if self._versions is not None else 0,
             )  # fmt: skip
         except _Cancelled:
             with self._cond:
@@ -392,8 +394,7 @@ class Session:
         thread = self._thread
         if thread is not None:
             thread.join(timeout_s)
-            return not thread.is_alive()
-        return True
+        return thread is None or not thread.is_alive()
 
     def _stop_if_abandoned(self) -> None:
         # A load no rank reads any more stops reading: no storage read for nobody, also when the

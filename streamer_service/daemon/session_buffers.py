@@ -8,7 +8,8 @@ and when (its state machine). Two kinds of segment:
   (``sizing.ring_slots``, the rule shared with the embedded engine; made only when no free one is
   left) plus one oversized tensor's (``ring``), paid
   from the node's shm budget (``shm.SegmentPool``) and given back to the pool when the session
-  ends, where the next session of any checkpoint can reuse them.
+  ends, where the next session of any checkpoint can reuse them. Once the ring grows past the
+  pool's idle segments, its next ``RING_AHEAD`` are made on the store's maker threads.
 - **Kept segments** (a retention budget with room for the load): one segment of the batch's
   exact size per batch, paid by a claim on the resident store; once loaded, the resident copy
   owns it and serves later loads from it (``resident``). They are made ahead of need, up to
@@ -42,6 +43,10 @@ from ..sizing import ring_slots
 __all__ = ["KEPT_AHEAD", "SegmentSlot", "SessionBuffers"]
 
 log = logging.getLogger(__name__)
+
+# Ring slots made ahead once the ring grows past the segments the pool has idle: the next growth
+# takes a made one instead of zero-filling a segment on the load's thread.
+RING_AHEAD = 2
 
 # Kept segments being made or ready ahead of the batch that needs them: one per maker thread, and
 # as many again ready, so the makers never wait for the pipeline to ask.
@@ -152,6 +157,8 @@ class SessionBuffers:
         got = self._pool.take(nbytes, oversized=oversized)
         if got is None:  # other sessions hold the node's budget: wait for a release
             return None
+        if not oversized:  # the ring grew: its next slots are made off this thread meanwhile
+            self._pool.make_ahead(nbytes, min(RING_AHEAD, self._ring.room))
         return self._add(SegmentSlot(got[0], got[1], oversized))
 
     def _add(self, slot: SegmentSlot) -> SegmentSlot:

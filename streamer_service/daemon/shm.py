@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import logging
 import mmap
 import os
@@ -56,7 +57,10 @@ _NAME_RE = re.compile(r"^streamer-(\d+)-[0-9a-f]+-\d+$")
 
 # Threads that make segments ahead of need (``SegmentStore.create_soon``). posix_fallocate zero-fills
 # and MAP_POPULATE maps a segment on one thread; both release the GIL, so segments made side by side
-# on a many-core host take the time of one (the reads they overlap have cores of their own).
+# on a many-core host take the time of one (the reads they overlap have cores of their own). Not
+# more: where new memory is slow to come (a VM's memory growing), more threads share that rate and
+# the segment the load needs next comes later (8 threads: 0.60 s of a 4.3 GB retained load waiting
+# for segments on an H200 VM, 4 threads: 0.40 s).
 CREATE_WORKERS = max(1, min(4, os.cpu_count() or 1))
 
 
@@ -217,7 +221,8 @@ class SegmentPool:
     Prepared segments (:meth:`start_preparing`, when the daemon starts): ring segments made ahead
     of the first load, in parallel and off any load's thread, so that the first load finds them
     as a later load finds the last one's. They wait for that first load however late it comes;
-    from its first request on, they are idle segments like any other.
+    from its first request on, they are idle segments like any other. A ring that grows past
+    them asks for its next slots the same way (:meth:`make_ahead`).
     """
 
     def __init__(self, store: SegmentStore, budget: ShmBudget, idle_s: float) -> None:
@@ -232,56 +237,61 @@ class SegmentPool:
         self._making_size = 0
         self._closed = False
         self._first_taken = False
-        self._preparer: threading.Thread | None = None
         self._lock = threading.Condition()
 
     def start_preparing(self, nbytes: int, count: int) -> None:
-        """Make up to ``count`` idle segments of ``nbytes`` in the background, within the budget."""
+        """Make up to ``count`` idle segments of ``nbytes`` in the background, within the budget
+        (segments of one size at a time: a call for another size while some are on their way
+        makes none)."""
         nbytes = self.store.pages.round(nbytes)
-        reservations = []
-        while len(reservations) < count:
-            reservation = self.budget.try_take(nbytes)
-            if reservation is None:
-                break
-            reservations.append(reservation)
-        if not reservations:
-            return
         with self._lock:
-            self._making, self._making_size = len(reservations), nbytes
-        self._preparer = threading.Thread(target=self._prepare, args=(nbytes, reservations), name="segment-preparer", daemon=True)
-        self._preparer.start()
+            if self._closed or (self._making and self._making_size != nbytes):
+                return
+            reservations = []
+            while len(reservations) < count:
+                reservation = self.budget.try_take(nbytes)
+                if reservation is None:
+                    break
+                reservations.append(reservation)
+            self._making += len(reservations)
+            self._making_size = nbytes
+        for reservation in reservations:
+            try:
+                future = self.store.create_soon(nbytes)
+            except BaseException:
+                self._made(None, reservation)
+                raise
+            future.add_done_callback(functools.partial(self._made, reservation=reservation))
 
-    def _prepare(self, nbytes: int, reservations: list[Reservation]) -> None:
-        try:
-            self._make_prepared(nbytes, reservations)
-        finally:  # whatever happened, no take waits for a segment that will not come
-            with self._lock:
-                self._making = 0
-                self._lock.notify_all()
+    def make_ahead(self, nbytes: int, wanted: int) -> None:
+        """Segments of ``nbytes`` idle or on their way: at least ``wanted`` (a ring that grew makes
+        its next slots off the load's thread, so growing again does not wait for a zero-fill)."""
+        if self.idle_s <= 0:  # no idle segments wanted: each is made when a load needs it
+            return
+        nbytes = self.store.pages.round(nbytes)
+        with self._lock:
+            have = sum(s.nbytes == nbytes for s, _, _ in self._idle) + (self._making if self._making_size == nbytes else 0)
+        if wanted > have:
+            self.start_preparing(nbytes, wanted - have)
 
-    def _make_prepared(self, nbytes: int, reservations: list[Reservation]) -> None:
-        made = [(self.store.create_soon(nbytes), r) for r in reservations]
-        failure = None
-        for future, reservation in made:
+    def _made(self, future: Future[Segment] | None, reservation: Reservation) -> None:
+        segment = None
+        if future is not None:
             try:
                 segment = future.result()
             except Exception as exc:  # noqa: BLE001 - a load that needs the room says it as a ConfigError
-                segment, failure = None, failure or exc
-            with self._lock:
-                self._making -= 1
-                if segment is not None and not self._closed:
-                    self._idle.append((segment, reservation, time.monotonic() if self._first_taken else None))
-                    self.prepared += 1
-                    segment = reservation = None
-                self._lock.notify_all()
-            if segment is not None:
-                segment.close()
-            if reservation is not None:
-                self.budget.give_back(reservation)
-        if failure is not None:
-            log.warning("prepared %d of %d shared-memory segments for the first load: %s", self.prepared, len(made), failure)
-        else:
-            log.info("prepared %d shared-memory segments of %d bytes for the first load", self.prepared, nbytes)
+                log.warning("could not make a shared-memory segment ahead of need: %s", exc)
+        with self._lock:
+            self._making -= 1
+            if segment is not None and not self._closed:
+                self._idle.append((segment, reservation, time.monotonic() if self._first_taken else None))
+                self.prepared += 1
+                segment = reservation = None
+            self._lock.notify_all()
+        if segment is not None:
+            segment.close()
+        if reservation is not None:
+            self.budget.give_back(reservation)
 
     def take(self, nbytes: int, *, oversized: bool = False) -> tuple[Segment, Reservation] | None:
         """A segment of ``nbytes`` (in whole huge pages where the dir has them): an idle one, or a
@@ -338,9 +348,8 @@ class SegmentPool:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-        if self._preparer is not None:
-            self._preparer.join()
-        with self._lock:
+            while self._making:  # every segment on its way is closed as it comes
+                self._lock.wait()
             idle, self._idle = self._idle, []
         self._close(idle)
 

@@ -9,7 +9,10 @@ shared-memory segments, released when every rank is done with them):
 
 - submit batches in plan order while the buffer source has room and the bytes submitted but not
   yet landed stay within ``in_flight`` (``sizing.in_flight_bytes``: what keeps storage busy for
-  a request's latency); more would only make every batch land later, the head included;
+  a request's latency); more would only make every batch land later, the head included. Run:ai
+  serves the requests in flight side by side, so consecutive batches go in one request of up to
+  ``sizing.submission_size`` (a batch is delivered once its own ranges landed, whatever the
+  rest of its request does);
 - wait for the head batch's ranges, submitting more as ranges land; a failed range fails the load, naming the
   file, the byte range and the tensors it held, and no tensor of that batch
   is delivered;
@@ -32,6 +35,7 @@ from streamer_client.errors import StorageError
 
 from ..checkpoint.plan import Batch, Plan
 from ..readers.base import FileReads, RangeResult, ReadRange, Reader
+from ..sizing import submission_size
 from ..uri import StorageURI
 
 __all__ = ["Buffer", "Load", "LoadStats", "Pipeline"]
@@ -46,12 +50,15 @@ class Buffer(Protocol):
 
 @dataclass
 class LoadStats:
-    bytes_read: int = 0  # written into our buffers by Run:ai
+    bytes_read: int = 0  # written into our buffers by the reader
     submissions: int = 0
     peak_in_flight: int = 0  # submissions not yet landed in full, at most at once
     peak_in_flight_bytes: int = 0  # bytes submitted and not yet landed, at most at once
     first_submitted: float | None = None  # time.monotonic() of the first submission
+    first_landed: float | None = None  # ... of the first range that landed
     last_landed: float | None = None  # ... of the last range that landed
+    acquire_seconds: float = 0.0  # spent getting buffers (making a segment is the costly part)
+    buffer_wait_seconds: float = 0.0  # nothing in flight and no buffer free: waiting for a release
 
     @property
     def read_seconds(self) -> float:
@@ -59,6 +66,17 @@ class LoadStats:
         if self.first_submitted is None or self.last_landed is None:
             return 0.0
         return self.last_landed - self.first_submitted
+
+    def describe(self, started: float) -> str:
+        """One line for the log: where a load's read time went (``started``: ``time.monotonic()`` when
+        the load began)."""
+        first = (self.first_landed - self.first_submitted) if self.first_landed and self.first_submitted else 0.0
+        asked = (self.first_submitted - started) if self.first_submitted else 0.0
+        return (
+            f"first submission after {asked:.3f} s, {self.submissions} submissions, at most {self.peak_in_flight} ({self.peak_in_flight_bytes} bytes) in flight, "
+            f"first bytes after {first:.3f} s, read span {self.read_seconds:.3f} s, "
+            f"{self.acquire_seconds:.3f} s getting buffers, {self.buffer_wait_seconds:.3f} s waiting for a release"
+        )
 
 
 @dataclass(eq=False)
@@ -75,6 +93,7 @@ class Load:
     token: Any
     remaining: int
     failed: RangeResult | None = None
+    landed: float | None = None  # time.monotonic() when its last range answered
 
     @property
     def done(self) -> bool:
@@ -93,27 +112,35 @@ class Pipeline:
         reader: Reader,
         acquire: AcquireBuffer,
         stats: LoadStats,
-        verify: Callable[[Batch], None] | None = None,
+        verify: Callable[[Batch, float | None], None] | None = None,
         *,
         in_flight: int | None = None,
+        submission_bytes: int | None = None,
     ) -> None:
         self._uri = uri
         self._limit = in_flight  # None: as many bytes as the buffers hold
+        # Bytes of one Run:ai request (a request holds whole batches, at least one).
+        self._submission_bytes = submission_bytes if submission_bytes is not None else submission_size(in_flight)
         self._in_flight = 0  # bytes submitted and not yet landed
         self._verify = verify
         self._reader = reader
         self._acquire = acquire
         self._stats = stats
         self._pending: deque[tuple[int, Batch]] = deque(enumerate(plan.batches))
+        self._pending_bytes = sum(b.data_bytes for b in plan.batches)  # of the batches not yet taken
         self._loads: deque[Load] = deque()
-        self._by_submission: dict[int, Load] = {}
+        self._by_submission: dict[int, list[list[Load]]] = {}  # each range's load, by file and range index
+        self._unanswered: dict[int, int] = {}  # ranges of each submission not answered yet
+        self._answers: Iterator[RangeResult] | None = None
 
     def loaded(self, wait_for_buffer: Callable[[], None]) -> Iterator[Load]:
         """Each batch once loaded, in plan order. ``wait_for_buffer`` blocks until a release."""
         while self._pending or self._loads:
             self._fill()
             if not self._loads:
+                waited = time.monotonic()
                 wait_for_buffer()
+                self._stats.buffer_wait_seconds += time.monotonic() - waited
                 continue
             load = self._loads.popleft()
             self._wait_for(load)
@@ -124,66 +151,108 @@ class Pipeline:
                     self._verify(load.batch)
                 raise self._failure(load)
             if self._verify is not None and load.batch.ranges:
-                self._verify(load.batch)
+                self._verify(load.batch, load.landed)
             yield load
 
     def _fill(self) -> None:
-        """Submit the next batches while a buffer is free and the bound allows: a batch goes when
-        nothing is in flight, or when its bytes fit under ``in_flight`` with what is."""
+        """Take buffers for the next batches while one is free and the bound allows (a batch goes
+        when nothing is in flight, or when its bytes fit under ``in_flight`` with what is), and
+        submit them to Run:ai in requests of up to ``submission_bytes``: a few large requests
+        keep Run:ai's workers as busy as many small ones with less ramp-up and tail per request."""
+        room = None if self._limit is None else self._limit - self._in_flight
+        if self._in_flight and room is not None and room < min(self._submission_bytes, self._pending_bytes):
+            return  # a request goes once a whole one fits: not one batch each time a range lands
+        group: list[Load] = []
+        grouped = 0
         while self._pending:
             index, batch = self._pending[0]
             if not batch.ranges:
                 load = Load(index, batch, None, None, 0)
             else:
-                if self._in_flight and self._limit is not None and self._in_flight + batch.data_bytes > self._limit:
-                    return
+                ahead = self._in_flight + grouped
+                if ahead and self._limit is not None and ahead + batch.data_bytes > self._limit:
+                    break
+                if group and grouped + batch.data_bytes > self._submission_bytes:
+                    self._submit(group)
+                    group, grouped = [], 0
+                asked = time.monotonic()
                 got = self._acquire(batch)
+                self._stats.acquire_seconds += time.monotonic() - asked
                 if got is None:
-                    return
+                    break
                 buffer, token = got
                 load = Load(index, batch, buffer, token, len(batch.ranges))
-                self._submit(load)
+                group.append(load)
+                grouped += batch.data_bytes
             self._pending.popleft()
+            self._pending_bytes -= batch.data_bytes
             self._loads.append(load)
+        if group:
+            self._submit(group)
 
-    def _submit(self, load: Load) -> None:
-        submission = self._reader.submit(self._file_reads(load), keepalive=load.buffer)
-        self._by_submission[submission] = load
-        self._in_flight += load.batch.data_bytes
+    def _submit(self, loads: list[Load]) -> None:
+        files, owners = self._file_reads(loads)
+        submission = self._reader.submit(files, keepalive=tuple(load.buffer for load in loads))
+        self._by_submission[submission] = owners
+        self._unanswered[submission] = sum(load.remaining for load in loads)
+        self._in_flight += sum(load.batch.data_bytes for load in loads)
         if self._stats.first_submitted is None:
             self._stats.first_submitted = time.monotonic()
         self._stats.submissions += 1
         self._stats.peak_in_flight = max(self._stats.peak_in_flight, len(self._by_submission))
         self._stats.peak_in_flight_bytes = max(self._stats.peak_in_flight_bytes, self._in_flight)
 
-    def _file_reads(self, load: Load) -> list[FileReads]:
-        """The batch's ranges grouped by file, as Run:ai takes them, with absolute destinations."""
-        by_file: dict[str, list[ReadRange]] = {}
-        for r in load.batch.ranges:
-            read = ReadRange(r.offset, r.nbytes, load.buffer.address + r.buffer_offset)
-            by_file.setdefault(self._uri.child(r.file), []).append(read)
-        return [FileReads(path, tuple(reads)) for path, reads in by_file.items()]
+    def _file_reads(self, loads: list[Load]) -> tuple[list[FileReads], list[list[Load]]]:
+        """The batches' ranges grouped by file, as Run:ai takes them, with absolute destinations;
+        and for each file the load each of its ranges belongs to (how an answer finds its batch)."""
+        by_file: dict[str, tuple[list[ReadRange], list[Load]]] = {}
+        for load in loads:
+            for r in load.batch.ranges:
+                reads, owners = by_file.setdefault(self._uri.child(r.file), ([], []))
+                reads.append(ReadRange(r.offset, r.nbytes, load.buffer.address + r.buffer_offset))
+                owners.append(load)
+        return [FileReads(path, tuple(reads)) for path, (reads, _) in by_file.items()], [o for _, o in by_file.values()]
 
     def _wait_for(self, load: Load) -> None:
-        if load.done:
-            return
-        for result in self._reader.responses():
-            self._record(result)
-            if load.done:
+        while not load.done:
+            result = self._next_answer()
+            if result is None:
                 return
-            self._fill()  # room under the bound as ranges land: storage keeps busy meanwhile
+            self._record(result)
+            if not load.done:
+                self._fill()  # room under the bound as ranges land: storage keeps busy meanwhile
+
+    def _next_answer(self) -> RangeResult | None:
+        """The reader's next answer, from one iterator kept across batches: a request holds several
+        batches, and a reader may hand a request's answers out together (``mapped``), so the
+        answers past the head batch's must stay with the iterator. ``None``: none is owed."""
+        for fresh in (False, True):
+            if self._answers is None:
+                self._answers = iter(self._reader.responses())
+            try:
+                return next(self._answers)
+            except StopIteration:
+                self._answers = None
+                if fresh:
+                    return None
+        return None
 
     def _record(self, result: RangeResult) -> None:
-        load = self._by_submission[result.submission]
+        load = self._by_submission[result.submission][result.file_index][result.range_index]
         load.remaining -= 1
         self._in_flight -= result.range.nbytes
         if result.error is None:
             self._stats.bytes_read += result.range.nbytes
             self._stats.last_landed = time.monotonic()
+            if self._stats.first_landed is None:
+                self._stats.first_landed = self._stats.last_landed
         elif load.failed is None:
             load.failed = result
         if load.done:
-            del self._by_submission[result.submission]
+            load.landed = time.monotonic()
+        self._unanswered[result.submission] -= 1
+        if not self._unanswered[result.submission]:
+            del self._by_submission[result.submission], self._unanswered[result.submission]
 
     def _failure(self, load: Load) -> StorageError:
         """The storage error of a failed batch, naming the tensors the failed range held."""

@@ -88,6 +88,12 @@ class Ring(Generic[T]):
             return slots
 
     @property
+    def room(self) -> int:
+        """Slots the ring may still make (none while an oversized buffer's place is all it has)."""
+        with self._lock:
+            return max(self.capacity - len(self._slots) - self._making, 0)
+
+    @property
     def made(self) -> int:
         with self._lock:
             return len(self._slots)
