@@ -446,6 +446,19 @@ def table(rows: list[Row]) -> list[dict]:
     return out
 
 
+def report(rows: list[Row], dirs: dict[str, Path], total: int, args) -> list[dict]:
+    print()
+    print(machine(dirs))
+    print(f"checkpoint {total / GB:.2f} GB (GB = 1e9 B); {args.procs} fresh processes per row, {args.reloads} reloads each; "
+          f"x IT: InstantTensor's first-load time on the same pages / this row's", flush=True)  # fmt: skip
+    summary = table(rows)
+    for row in rows:
+        if row.failed:
+            print(f"FAILED {row.name}: {row.failed.splitlines()[0]}")
+    sys.stdout.flush()
+    return summary
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-gb", type=float, default=6.44)
@@ -553,11 +566,14 @@ def orchestrate(args) -> None:
                 if rnd:
                     row.loads.append(go)
                     seconds, nbytes = wall(go, 0)
+                    bad = sum(load["bad"] for proc in go for load in proc)
                     print(f"  round {rnd} {row.name}: first {seconds:.3f} s ({nbytes * row.world / seconds / GB:.2f} GB/s), "
-                          f"reloads {' '.join(f'{wall(go, i)[0]:.3f}' for i in range(1, len(go[0])))} s", flush=True)  # fmt: skip
+                          f"reloads {' '.join(f'{wall(go, i)[0]:.3f}' for i in range(1, len(go[0])))} s, "
+                          f"{bad} tensors not bit-exact", flush=True)  # fmt: skip
                 else:
                     print(f"  warm-up {row.name}: first {wall(go, 0)[0]:.3f} s", flush=True)
 
+        report(rows, dirs, total, args)  # the table before the profiles too: a call cut short keeps it
         profiles = {}
         if args.profile:
             for row in rows:
@@ -583,14 +599,7 @@ def orchestrate(args) -> None:
                 print(f"{name[:52]:<52} {p['seconds']:>6.3f} {p['import_s']:>7.3f} {p['profiled_s']:>6.3f} "
                       f"{p['first_tensor_s'] or 0:>6.3f} " + " ".join(f"{p[s]:>12.3f}" for s in stages))  # fmt: skip
 
-        print()
-        print(machine(dirs))
-        print(f"checkpoint {total / GB:.2f} GB (GB = 1e9 B); {args.procs} fresh processes per row, {args.reloads} reloads each; "
-              f"x IT: InstantTensor's first-load time on the same pages / this row's")  # fmt: skip
-        summary = table(rows)
-        for row in rows:
-            if row.failed:
-                print(f"FAILED {row.name}: {row.failed.splitlines()[0]}")
+        summary = report(rows, dirs, total, args)
         if args.json:
             args.json.write_text(json.dumps({"machine": machine(dirs), "checkpoint_bytes": total, "rows": summary,
                                              "profiles": profiles, "raw": {r.name: r.loads for r in rows}}, indent=1))  # fmt: skip

@@ -12,10 +12,12 @@ NIC rate (``STREAMER_TARGET_GBPS``, docs/configuration.md "Read parallelism"):
   bandwidth × :data:`REQUEST_LATENCY_S`, never less than :data:`MIN_IN_FLIGHT_SLOTS` slots. The
   pipeline submits no more than that: the head of the checkpoint lands first, and the ranks work
   on it while the rest is read (everything submitted at once lands all together, at the end);
-- **requests**: the bytes in flight go to Run:ai as :data:`REQUESTS_IN_FLIGHT` requests of whole
-  batches (:func:`submission_size`): Run:ai splits each request across all its workers and serves
-  the requests in flight side by side, so fewer, larger ones keep it as busy with less ramp-up
-  and tail per request;
+- **requests**: from object storage the bytes in flight go to Run:ai as :data:`REQUESTS_IN_FLIGHT`
+  requests of whole batches (:func:`submission_size`): Run:ai splits each request across all its
+  workers and serves the requests in flight side by side, so fewer, larger ones keep it as busy
+  with less ramp-up and tail per request. A local directory's reads have no request latency to
+  hide and its reader answers a request once all of it is copied: one batch a request, so the
+  head batch is handed on as soon as it is in memory;
 - **Run:ai's parallelism** for that rate: :class:`ReadParallelism`.
 """
 
@@ -92,10 +94,11 @@ def in_flight_bytes(target_gbps: float, slot: int, budget: int) -> int:
     return max(min(wanted, budget), slot)
 
 
-def submission_size(in_flight: int | None) -> int:
-    """Most bytes of one Run:ai request: the bytes in flight over :data:`REQUESTS_IN_FLIGHT` (a
-    request holds whole batches, at least one; no bound in flight: one batch a request)."""
-    return in_flight // REQUESTS_IN_FLIGHT if in_flight else 0
+def submission_size(in_flight: int | None, *, local: bool = False) -> int:
+    """Most bytes of one read request: the bytes in flight over :data:`REQUESTS_IN_FLIGHT` (a
+    request holds whole batches, at least one). ``0``, one batch a request: a local directory, or
+    no bound in flight."""
+    return in_flight // REQUESTS_IN_FLIGHT if in_flight and not local else 0
 
 
 @dataclass(frozen=True)

@@ -336,6 +336,24 @@ def test_a_read_only_shared_memory_mapping_is_pinned_with_the_read_only_flag(tmp
         path.unlink()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_a_load_s_tensors_are_carved_out_of_one_reservation():
+    from streamer_client import delivery
+
+    device = torch.device("cuda", 0)
+    torch.cuda.empty_cache()
+    sizes = [32 * MIB] * 6 + [3 * MIB + 5]
+    delivery.reserve(device, sizes)
+    reserved = torch.cuda.memory_reserved(device)
+    assert reserved >= sum(sizes)
+    tensors = [torch.empty(n, dtype=torch.uint8, device=device) for n in sizes]
+    assert torch.cuda.memory_reserved(device) == reserved, "no allocation of its own for any tensor"
+    del tensors
+    delivery.reserve(device, sizes)  # the allocator holds that much unused already: nothing more
+    assert torch.cuda.memory_reserved(device) == reserved
+
+
 # --------------------------------------------------------------------------- engine
 
 

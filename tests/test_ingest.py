@@ -19,10 +19,16 @@ import torch
 from botocore.config import Config
 
 from checkpoints import ground_truth, make_sharded_checkpoint
+from types import SimpleNamespace
+
+from streamer_service.readers import mapped
 from streamer_service.bench.latency import LatencyProxy
 from streamer_service.checkpoint.catalog import build_catalog
+from streamer_service.checkpoint.plan import build_plan
 from streamer_service.embedded.engine import EmbeddedEngine, EngineConfig
+from streamer_service.load.pipeline import LoadStats, Pipeline
 from streamer_service.settings import Settings
+from streamer_service.sizing import submission_size
 from streamer_service.storage import open_storage
 from streamer_service.uri import parse_uri
 
@@ -138,6 +144,41 @@ def test_a_load_behind_latency_keeps_batches_in_flight_within_its_bound(slow_s3)
     assert engine.stats.peak_in_flight_bytes <= 2 * slot  # the bound, not the budget's 16 slots
     assert engine.stats.peak_in_flight >= 2  # the next request was asked for while one waited
     assert proxy.counts.requests - before >= engine.stats.submissions  # every batch through held requests
+
+
+@pytest.mark.skipif(not mapped.available(), reason="the native copier is not built")
+def test_a_local_load_reads_one_batch_a_request_whatever_its_bound(tmp_path):
+    """A local directory has no request latency to hide, and its reader (the daemon's: mapped files)
+    answers a request once all of it is copied: with a bound in flight that groups object-storage
+    batches four to a request, each local batch is a request of its own, so the head batch is
+    handed on as soon as it is in memory."""
+    src = tmp_path / "ckpt"
+    truth = {f"w{i}": torch.full((128, 256), float(i)) for i in range(16)}
+    make_sharded_checkpoint(src, truth, n_shards=2)
+    uri = parse_uri(str(src))
+    catalog = build_catalog(open_storage(uri, Settings()))
+    slot = 128 * KIB
+    plan = build_plan(list(catalog.tensors), slot)
+    batches = [b for b in plan.batches if b.ranges]
+    assert len(batches) == 16 and submission_size(8 * slot) == 4 * slot
+    held = []
+
+    def acquire(batch):
+        memory = torch.empty(batch.buffer_bytes, dtype=torch.uint8)
+        held.append(memory)
+        return SimpleNamespace(address=memory.data_ptr(), nbytes=memory.numel(), memory=memory), None
+
+    stats = LoadStats()
+    got = {}
+    with mapped.MappedReader() as reader:
+        pipeline = Pipeline(uri, plan, reader, acquire, stats, in_flight=8 * slot)
+        for load in pipeline.loaded(lambda: None):
+            for placed in load.batch.placements:
+                start = placed.buffer_offset
+                got[placed.tensor.name] = load.buffer.memory[start : start + placed.tensor.nbytes].clone()
+    for name, tensor in truth.items():
+        assert torch.equal(got[name].view(torch.float32).view(tensor.shape), tensor), name
+    assert stats.submissions == len(batches)
 
 
 def test_the_nic_rate_bounds_a_loads_bytes_in_flight():

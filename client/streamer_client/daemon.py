@@ -108,7 +108,8 @@ def _joined(client: DaemonClient, request: StreamRequest) -> Iterator[tuple[str,
     joined = JoinReply.from_wire(reply)
     shm_dir = cfg.if_given("shm_dir") or Path(joined.shm_dir)
     tensors = _Receiver(
-        client, shm_dir, joined.session_id, request.rank, device, request.borrowed, pin_segments=cfg.pin_segments
+        client, shm_dir, joined.session_id, request.rank, device, request.borrowed, pin_segments=cfg.pin_segments,
+        nbytes=joined.bytes,
     ).run()
     if request.progress == "off":
         return tensors
@@ -118,13 +119,14 @@ def _joined(client: DaemonClient, request: StreamRequest) -> Iterator[tuple[str,
 class _Receiver:
     def __init__(
         self, client: DaemonClient, shm_dir: Path, session_id: str, rank: int, device: torch.device, borrowed: bool,
-        *, pin_segments: str = "always",
+        *, pin_segments: str = "always", nbytes: int = 0,
     ) -> None:  # fmt: skip
         self._client = client
         self._next = protocol.rank_path(session_id, rank, "next")
         self._leave = protocol.rank_path(session_id, rank, "leave")
         self._device = device
         self._borrowed = borrowed
+        self._nbytes = nbytes  # this rank's tensors' bytes, the join's answer (the small ones' too: a little more)
         self._release: list[int] = []
         self._leases = Leases()  # borrowed views of the batch in hand
         self._in_hand: weakref.ref | None = None
@@ -148,6 +150,8 @@ class _Receiver:
 
     def run(self) -> Iterator[tuple[str, torch.Tensor]]:
         try:
+            if self._copier is not None:
+                delivery.reserve(self._device, [self._nbytes])
             if self._stage:
                 self._staging = delivery.Staging(self._copier)
             done = False

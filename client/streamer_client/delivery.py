@@ -41,7 +41,8 @@ if TYPE_CHECKING:
     from .pinning import HostPinner
 
 __all__ = [
-    "STAGING_SLOTS", "STAGING_SLOT_BYTES", "Staging", "copy_to_cpu", "empty", "lend", "over", "staging_pinned", "to_device",
+    "STAGING_SLOTS", "STAGING_SLOT_BYTES", "Staging", "copy_to_cpu", "empty", "lend", "over", "reserve", "staging_pinned",
+    "to_device",
 ]  # fmt: skip
 
 STAGING_SLOT_BYTES = 32 * 1024 * 1024
@@ -87,6 +88,27 @@ def copy_to_cpu(
         for dst, view in copies:
             dst.numpy()[:] = view
     return outs
+
+
+_ALLOCATION_GRANULE = 512  # the caching allocator rounds every block up to this
+_LARGE_BLOCK = 1024 * 1024  # smaller tensors come from the allocator's pool of small blocks
+
+
+def reserve(device: torch.device, sizes: Sequence[int]) -> None:
+    """Have the caching allocator hold a load's device tensors (``sizes`` in bytes) in one
+    segment before they are allocated: one ``cudaMalloc`` instead of one per large tensor, each a
+    driver call in a fresh process. The block is freed at once; the tensors are carved out of it.
+    Skipped where the allocator already holds that much unused, or cannot get it in one piece."""
+    if device.type != "cuda":
+        return
+    nbytes = sum(-(-n // _ALLOCATION_GRANULE) * _ALLOCATION_GRANULE for n in sizes if n >= _LARGE_BLOCK)
+    if nbytes <= 0 or torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) >= nbytes:
+        return
+    try:
+        block = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    except torch.cuda.OutOfMemoryError:
+        return  # no room in one piece: the tensors are allocated one by one
+    del block
 
 
 def to_device(pinned: PinnedCopier, view: np.ndarray, dtype: str, shape: Sequence[int]) -> torch.Tensor:

@@ -298,6 +298,8 @@ class _Stream:
         self._hand_over = device.type == "cpu" and not borrowed
 
     def run(self, reader: Reader) -> Iterator[tuple[str, torch.Tensor]]:
+        if self._copier is not None:
+            delivery.reserve(self._device, [t.nbytes for t in self._plan.tensors])
         pipeline = Pipeline(self._uri, self._plan, reader, self._acquire, self._stats, self._verify, in_flight=self._in_flight)
         for load in pipeline.loaded(self._wait_for_buffer):
             yield from self._deliver(load)

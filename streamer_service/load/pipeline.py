@@ -10,9 +10,9 @@ shared-memory segments, released when every rank is done with them):
 - submit batches in plan order while the buffer source has room and the bytes submitted but not
   yet landed stay within ``in_flight`` (``sizing.in_flight_bytes``: what keeps storage busy for
   a request's latency); more would only make every batch land later, the head included. Run:ai
-  serves the requests in flight side by side, so consecutive batches go in one request of up to
-  ``sizing.submission_size`` (a batch is delivered once its own ranges landed, whatever the
-  rest of its request does);
+  serves the requests in flight side by side, so from object storage consecutive batches go in
+  one request of up to ``sizing.submission_size`` (a batch is delivered once its own ranges
+  landed, whatever the rest of its request does); from a local directory, one batch a request;
 - wait for the head batch's ranges, submitting more as ranges land; a failed range fails the load, naming the
   file, the byte range and the tensors it held, and no tensor of that batch
   is delivered;
@@ -120,7 +120,7 @@ class Pipeline:
         self._uri = uri
         self._limit = in_flight  # None: as many bytes as the buffers hold
         # Bytes of one Run:ai request (a request holds whole batches, at least one).
-        self._submission_bytes = submission_bytes if submission_bytes is not None else submission_size(in_flight)
+        self._submission_bytes = submission_bytes if submission_bytes is not None else submission_size(in_flight, local=uri.is_local)
         self._in_flight = 0  # bytes submitted and not yet landed
         self._verify = verify
         self._reader = reader
