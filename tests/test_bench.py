@@ -209,7 +209,7 @@ def test_azurite_over_https_behind_the_latency_proxy_is_read_exactly(tmp_path):
         pytest.fail(f"the bench ran past 600 s:\n{stdout[-3000:]}{stderr[-3000:]}")
     assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
     report = json.loads(out.read_text())
-    assert report["ok"] is True and report["sources"]["azure"].startswith("Azurite over HTTPS")
+    assert report["ok"] is True and report["config"]["sources"]["azure"].startswith("Azurite over HTTPS")
     by = {r["mode"]: r for r in report["runs"]}
     assert all(r["verified"] and r["check"] == "full" for r in by.values())
     unique = by["A"]["unique_bytes"]
