@@ -45,21 +45,21 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH))
 
+import torch  # noqa: E402
 from gpu_bench import GB, write_checkpoint  # noqa: E402 - also puts the checkout on sys.path
 
-import torch  # noqa: E402
-
 from streamer_service.bench.sources import SOURCES, open_source  # noqa: E402
-from streamer_service.sample import rank_selection  # noqa: E402
 from streamer_service.daemon.server import ChildDaemon  # noqa: E402
+from streamer_service.sample import rank_selection  # noqa: E402
 
 
 def _rank_main(rank: int, world: int, uri: str, truth: str, keys: list[str], device: str, borrowed: bool,
                env: dict, barrier, results) -> None:  # fmt: skip
     try:
         os.environ.update(env)
-        import streamer_client
         from safetensors import safe_open
+
+        import streamer_client
 
         names = _names(Path(truth))
         select = rank_selection(list(names), rank, world)
@@ -240,7 +240,7 @@ def first_load_table(args, source, truth: Path, total: int, retention: str, tmp:
                 print(f"  rep {rep} {code}, retention {mode}: first {row['cold']['seconds']:.2f} s, "
                       f"second {row['warm']['seconds']:.2f} s", flush=True)  # fmt: skip
     print()
-    print(f"| daemon | retention | first load s | GB/s | second load s | GB/s | first / second |")
+    print("| daemon | retention | first load s | GB/s | second load s | GB/s | first / second |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for (code, mode), rows in results.items():
         first = statistics.median(r["cold"]["seconds"] for r in rows)

@@ -190,7 +190,6 @@ def profiled(kind: str, args, session: str):
     import io
     import pstats
 
-    import torch
     import streamer_client
 
     profile = cProfile.Profile()

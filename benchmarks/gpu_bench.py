@@ -54,8 +54,9 @@ for path in (REPO / "client", REPO):  # run from a checkout
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
 
-import streamer_client  # noqa: E402
 from cold_start import write_checkpoint  # noqa: E402  (one checkpoint layout for both scripts)
+
+import streamer_client  # noqa: E402
 from streamer_client.cuda import PinnedCopier, address_of  # noqa: E402
 from streamer_service.bench.sources import warm_page_cache  # noqa: E402
 from streamer_service.daemon.server import ChildDaemon  # noqa: E402

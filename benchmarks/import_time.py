@@ -21,7 +21,6 @@ checkout's load imported a heavy module. Figures in docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import statistics
@@ -111,8 +110,8 @@ def main() -> int:
     if not set(paths) <= {"in-process", "daemon"}:
         raise SystemExit(f"--paths: in-process and/or daemon, not {args.paths!r}")
 
-    from streamer_service.sample import build_sample
     from streamer_service.daemon.server import ChildDaemon
+    from streamer_service.sample import build_sample
 
     with tempfile.TemporaryDirectory(prefix="import-time-") as tmp:
         work = Path(tmp)

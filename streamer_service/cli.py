@@ -51,8 +51,8 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .checkpoint.tensor_table import format_jsonl, format_table
     from .checkpoint.open import open_checkpoint
+    from .checkpoint.tensor_table import format_jsonl, format_table
 
     checkpoint = open_checkpoint(args.uri, _settings(args))
     text = format_jsonl(checkpoint.catalog) if args.json else format_table(checkpoint.catalog)

@@ -21,7 +21,13 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 from streamer_client.errors import SettingsError
 from streamer_client.settings import (
-    DEFAULT_SOCKET, MIN_SHM_BUDGET, SETTINGS, Settings, check_names, default_cache_dir, problem,
+    DEFAULT_SOCKET,
+    MIN_SHM_BUDGET,
+    SETTINGS,
+    Settings,
+    check_names,
+    default_cache_dir,
+    problem,
 )  # fmt: skip
 
 from .sizing import FEW_SLOTS, slot_bytes

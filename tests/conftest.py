@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from harness import azure_tls as _azure_tls
 from harness.backends import SERVICES, Backend, LocalBackend
 

@@ -80,7 +80,7 @@ class DaemonProcess:
         self.wrap = list(wrap or [])  # a command the daemon's command line is appended to (e.g. joining a cgroup)
         self.proc: subprocess.Popen | None = None
 
-    def start(self) -> "DaemonProcess":
+    def start(self) -> DaemonProcess:
         cmd = [sys.executable, "-m", "streamer_service", "serve", "--socket", str(self.socket), *self.extra]
         if self.tmpfs:
             mounts = " && ".join(_mount(d, spec) for d, spec in self.tmpfs.items())
@@ -184,7 +184,7 @@ def finish_failed(proc: subprocess.Popen, timeout: float = 300) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def leftovers(d: "DaemonProcess", cache_dir: Path, timeout: float = 10) -> tuple[list[str], list[str]]:
+def leftovers(d: DaemonProcess, cache_dir: Path, timeout: float = 10) -> tuple[list[str], list[str]]:
     """What a scenario left behind once the daemon settled: (shm files, half-filled cache dirs)."""
     shm_dir, cache_dir = d.view(d.shm_dir), d.view(cache_dir)
     deadline = time.monotonic() + timeout
@@ -220,7 +220,7 @@ class ShmSampler:
             self.peak = max(self.peak, total)
             time.sleep(0.002)
 
-    def __enter__(self) -> "ShmSampler":
+    def __enter__(self) -> ShmSampler:
         self._thread.start()
         return self
 

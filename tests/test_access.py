@@ -16,8 +16,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from daemon_harness import DaemonProcess, finish
+
 from streamer_service.sample import build_sample
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="a second UID needs root (setpriv)")

@@ -19,11 +19,9 @@ import textwrap
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from checkpoints import INDEX_NAME, make_sharded_checkpoint, mixed_tensors
-
 from harness.azure_tls import SYSTEM_CA_BUNDLE, host_state
+from safetensors.torch import load_file
 
 PREFIX = "models/tiny"
 
@@ -115,7 +113,7 @@ def _upload(backend, files) -> str:
 
 
 def _result(proc) -> dict:
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"rc={proc.returncode}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
     return json.loads(lines[-1][len("RESULT ") :])
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from daemon_harness import DaemonProcess, leftovers, wait_until
+
 from streamer_service.daemon.api import MAX_BODY_BYTES, MAX_LIST
 from streamer_service.sample import build_sample
 

@@ -9,6 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoints import (
+    INDEX_NAME,
+    CountingStorage,
+    DirStorage,
+    make_sharded_checkpoint,
+    many_small_tensors,
+    mixed_tensors,
+    shard_name,
+    write_raw_safetensors,
+)
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -24,17 +34,6 @@ from streamer_service.settings import Settings
 from streamer_service.storage import open_storage
 from streamer_service.storage.base import ObjectInfo
 from streamer_service.uri import parse_uri
-
-from checkpoints import (
-    INDEX_NAME,
-    CountingStorage,
-    DirStorage,
-    make_sharded_checkpoint,
-    many_small_tensors,
-    mixed_tensors,
-    shard_name,
-    write_raw_safetensors,
-)
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:

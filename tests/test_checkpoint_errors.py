@@ -8,10 +8,10 @@ import logging
 
 import pytest
 import torch
+from checkpoints import make_sharded_checkpoint, many_small_tensors, write_raw_safetensors
 from safetensors.torch import save_file
 
 import streamer_client
-from checkpoints import make_sharded_checkpoint, many_small_tensors, write_raw_safetensors
 from streamer_client.errors import CheckpointError, HeaderError
 from streamer_service.checkpoint.catalog import INDEX_NAME
 from streamer_service.checkpoint.open import open_checkpoint

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-
 CLI = [sys.executable, "-m", "streamer_service"]
 
 

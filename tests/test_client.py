@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoints import ground_truth, make_sharded_checkpoint, mixed_tensors, tensor_bytes
 
 import streamer_client
-from checkpoints import ground_truth, make_sharded_checkpoint, mixed_tensors, tensor_bytes
 from streamer_client.errors import CheckpointError, ConfigError, DaemonError, SelectionError
 
 

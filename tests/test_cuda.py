@@ -22,11 +22,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from checkpoints import INDEX_NAME, ground_truth, make_sharded_checkpoint, many_small_tensors, mixed_tensors
 from safetensors.torch import load_file
 
 import streamer_client
 from streamer_client import pinning
 from streamer_client.cuda import Fence, PinnedCopier, _check_host, _Releases, address_of, cuda_device
+from streamer_client.errors import ConfigError
 from streamer_client.pinning import (
     ERROR_ALREADY_REGISTERED,
     HOST_REGISTER_PORTABLE,
@@ -35,10 +37,7 @@ from streamer_client.pinning import (
     _Registry,
     registered_ranges,
 )
-from streamer_client.errors import ConfigError
 from streamer_service.checkpoint.plan import BatchKind
-
-from checkpoints import INDEX_NAME, ground_truth, make_sharded_checkpoint, many_small_tensors, mixed_tensors
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -396,8 +395,8 @@ def own_registrations():
 def _engine(directory: Path, budget: int, slot: int, pool=None):
     """An engine whose CUDA loads keep their pinned slots in ``pool`` (default: one of its own,
     ``engine.pool``, so that tests see only their own registrations)."""
-    from streamer_service.embedded.buffers import PinnedPool
     from streamer_service.checkpoint.catalog import build_catalog
+    from streamer_service.embedded.buffers import PinnedPool
     from streamer_service.embedded.engine import EmbeddedEngine, EngineConfig
     from streamer_service.settings import Settings
     from streamer_service.storage import open_storage

@@ -12,7 +12,6 @@ import textwrap
 
 import pytest
 import torch
-
 from daemon_harness import DaemonProcess
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from daemon_harness import DaemonProcess, ShmSampler, finish
+
 from streamer_service.checkpoint.catalog import build_catalog
 from streamer_service.sample import rank_selection
 from streamer_service.settings import Settings
@@ -190,7 +190,7 @@ def test_daemon_killed_mid_load_clients_fail_fast_and_restart_sweeps(sample, dae
     rank.stdin.write("go\n")
     rank.stdin.flush()
     out, err = rank.communicate(timeout=60)
-    line = [l for l in out.splitlines() if l.startswith("DaemonError")]
+    line = [text for text in out.splitlines() if text.startswith("DaemonError")]
     assert line, out + err
     # At once: the socket resets (not after a read timeout, let alone a rank timeout).
     assert float(line[0].split()[1]) < 5.0

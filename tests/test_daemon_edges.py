@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from daemon_harness import DaemonProcess, finish, finish_failed, wait_until
+
 from streamer_service.checkpoint.catalog import build_catalog
 from streamer_service.checkpoint.plan import select as plan_select
 from streamer_service.settings import Settings

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from daemon_harness import DaemonProcess, finish, finish_failed, leftovers, wait_until
+
 from streamer_service.sample import rank_selection
 
 OPEN_FILES = 8192  # the daemon's and this test's limit: room for thousands of connections

@@ -16,12 +16,11 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from checkpoints import ground_truth, tensor_bytes
 
 import streamer_client
 from streamer_client import copier, delivery
 from streamer_client.errors import ConfigError, DaemonError, SettingsError
-
-from checkpoints import ground_truth, tensor_bytes
 
 HAS_CUDA = torch.cuda.is_available()
 

@@ -16,18 +16,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from checkpoints import ground_truth, make_sharded_checkpoint, many_small_tensors, mixed_tensors, tensor_bytes
 
 from streamer_client.errors import ConfigError, ObjectChangedError, SelectionError, StorageError
 from streamer_service.checkpoint.catalog import build_catalog
+from streamer_service.checkpoint.plan import BatchKind
 from streamer_service.embedded.engine import BorrowedTensorError, EmbeddedEngine, EngineConfig
 from streamer_service.readers.mapped import MappedReader
-from streamer_service.checkpoint.plan import BatchKind
 from streamer_service.readers.runai import NativeReader, ResponseCode
 from streamer_service.settings import Settings
 from streamer_service.storage import open_storage
 from streamer_service.uri import parse_uri
-
-from checkpoints import ground_truth, make_sharded_checkpoint, many_small_tensors, mixed_tensors, tensor_bytes
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -389,8 +388,8 @@ def test_a_device_load_reads_in_small_slots_whatever_the_slot_size(tmp_path, mon
 
 
 def test_a_device_load_reads_an_oversized_tensor_in_parts_through_its_slots(small_checkpoint):
-    from streamer_service.embedded.buffers import PinnedPool
     from streamer_service.checkpoint.plan import Part
+    from streamer_service.embedded.buffers import PinnedPool
 
     directory, _ = small_checkpoint
     engine = _engine(directory, budget=4 * SLOT, slot=SLOT)

@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from checkpoints import ground_truth
+from safetensors.torch import load_file
 
 FAKES = Path(__file__).resolve().parent / "engine_fakes"
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))

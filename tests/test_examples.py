@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from checkpoints import ground_truth
 from daemon_harness import DaemonProcess
+from safetensors.torch import load_file
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 sys.path.insert(0, str(EXAMPLES))

@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 
 import pytest
-
 from daemon_harness import DaemonProcess, finish, finish_failed, leftovers
 from harness.faults import always, cloud_error, every_nth, range_get
 from harness.proxy import Fault, RecordedRequest
+
 from streamer_service.sample import build_sample
 
 # Tight storage settings, so that the unrecoverable cases end in seconds (docs/reliability.md).

@@ -11,15 +11,20 @@ import threading
 import time
 
 import pytest
+from test_session import (
+    FakeReader,
+    _consume,
+    _join_all,
+    _truth,
+    checkpoint_dir,  # noqa: F401 - the fixture: the same 4 MB sample
+)
 
 from streamer_service.checkpoint.open import open_checkpoint
 from streamer_service.checkpoint.plan import build_plan
 from streamer_service.daemon.resident import ResidentStore
 from streamer_service.daemon.session import Session, SessionState
-from streamer_service.settings import Settings
 from streamer_service.daemon.shm import SegmentPool, SegmentStore, ShmBudget
-from test_session import FakeReader, _consume, _join_all, _truth
-from test_session import checkpoint_dir  # noqa: F401 - the fixture: the same 4 MB sample
+from streamer_service.settings import Settings
 
 SLOT = 512 * 1024
 
@@ -37,7 +42,7 @@ class RecordingStore(SegmentStore):
 
 
 @pytest.fixture
-def node(tmp_path, checkpoint_dir):
+def node(tmp_path, checkpoint_dir):  # noqa: F811 - the imported fixture, by name
     """A daemon's segment store as in ``test_session``; the test makes its pools (budget, idle_s)."""
     checkpoint = open_checkpoint(str(checkpoint_dir), Settings(cache_dir=tmp_path / "cache"))
     pools: list[SegmentPool] = []

@@ -11,7 +11,6 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-
 from harness import emulators
 from harness.backends import closed_port_url
 from harness.faults import always, denied_fault, every_nth, first_n, unavailable_fault
@@ -37,9 +36,7 @@ def _sdk_read(backend, key: str, start: int | None = None, end: int | None = Non
         blob = storage.Client().bucket(backend.bucket).blob(key)
         return blob.download_as_bytes(start=start, end=end)
     if backend.name == "azure":
-        from azure.storage.blob import BlobServiceClient
-
-        from azure.storage.blob import LinearRetry
+        from azure.storage.blob import BlobServiceClient, LinearRetry
 
         # The default ExponentialRetry waits 15 s before its first retry.
         svc = BlobServiceClient.from_connection_string(

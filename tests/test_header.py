@@ -11,6 +11,12 @@ from typing import Any
 
 import pytest
 import torch
+from checkpoints import (
+    CountingStorage,
+    DirStorage,
+    mixed_tensors,
+    write_raw_safetensors,
+)
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
@@ -25,13 +31,6 @@ from streamer_service.checkpoint.header import (
     TensorInfo,
     parse_header,
     read_header,
-)
-
-from checkpoints import (
-    CountingStorage,
-    DirStorage,
-    mixed_tensors,
-    write_raw_safetensors,
 )
 
 FILE = "bad-shard.safetensors"

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from daemon_harness import DaemonProcess, finish, finish_failed, leftovers
+
 from streamer_service.daemon.pages import SMALL_PAGE, Pages, detect_pages
 
 MIB = 2**20

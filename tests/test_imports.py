@@ -15,7 +15,6 @@ import textwrap
 
 import pytest
 import torch
-
 from checkpoints import ground_truth, tensor_bytes
 
 BLOCK_TORCH = textwrap.dedent(

@@ -12,21 +12,20 @@ import http.client
 import http.server
 import threading
 import time
+from types import SimpleNamespace
 
 import boto3
 import pytest
 import torch
 from botocore.config import Config
-
 from checkpoints import ground_truth, make_sharded_checkpoint
-from types import SimpleNamespace
 
-from streamer_service.readers import mapped
 from streamer_service.bench.latency import LatencyProxy
 from streamer_service.checkpoint.catalog import build_catalog
 from streamer_service.checkpoint.plan import build_plan
 from streamer_service.embedded.engine import EmbeddedEngine, EngineConfig
 from streamer_service.load.pipeline import LoadStats, Pipeline
+from streamer_service.readers import mapped
 from streamer_service.settings import Settings
 from streamer_service.sizing import submission_size
 from streamer_service.storage import open_storage

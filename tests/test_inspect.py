@@ -8,9 +8,9 @@ import subprocess
 import sys
 
 import torch
+from checkpoints import make_sharded_checkpoint, mixed_tensors, tensor_bytes
 from safetensors.torch import load_file
 
-from checkpoints import make_sharded_checkpoint, mixed_tensors, tensor_bytes
 from streamer_service.checkpoint.open import open_checkpoint
 from streamer_service.settings import Settings
 

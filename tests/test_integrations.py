@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from checkpoints import ground_truth, make_sharded_checkpoint, many_small_tensors
+
 from streamer_client.errors import CheckpointError, ConfigError, SelectionError
 from streamer_client.integrations.huggingface import from_pretrained
 from streamer_client.integrations.tensorrt_llm import load_groups

@@ -17,8 +17,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-
 from daemon_harness import DaemonProcess, leftovers
+
 from streamer_service.sample import build_sample, rank_selection
 
 WORLD = 8

@@ -5,7 +5,6 @@ Ground truth is ``safetensors``; the failure cases cut real files short under re
 
 from __future__ import annotations
 
-import mmap
 import os
 import signal
 import subprocess
@@ -18,12 +17,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from checkpoints import ground_truth, make_sharded_checkpoint, mixed_tensors, tensor_bytes
 
 from streamer_client.errors import ObjectChangedError, SettingsError, StorageError
-from streamer_service.readers import mapped
 from streamer_service.checkpoint.catalog import build_catalog
 from streamer_service.embedded.engine import EmbeddedEngine, EngineConfig
-from streamer_service.readers import choice
+from streamer_service.readers import choice, mapped
 from streamer_service.readers.base import FileReads, ReadRange
 from streamer_service.readers.choice import reader_for
 from streamer_service.readers.mapped import FileMaps, MappedReader, file_maps
@@ -31,8 +30,6 @@ from streamer_service.readers.runai import NativeReader
 from streamer_service.settings import Settings
 from streamer_service.storage import open_storage
 from streamer_service.uri import parse_uri
-
-from checkpoints import ground_truth, make_sharded_checkpoint, mixed_tensors, tensor_bytes
 
 MIB = 1024 * 1024
 

@@ -18,7 +18,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from daemon_harness import DaemonProcess, finish
 
 MiB = 1024**2

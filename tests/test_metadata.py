@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from harness.faults import denied_fault
 
 from streamer_client import pull_metadata
 from streamer_client.errors import (
@@ -20,12 +21,10 @@ from streamer_client.errors import (
     StorageUnavailableError,
     UnsafeKeyError,
 )
-from streamer_service.metadata.lock import FileLock
 from streamer_service.metadata.cache import MARKER, Marker, MetadataCache, is_weight, safe_relative_path
+from streamer_service.metadata.lock import FileLock
 from streamer_service.settings import Settings
 from streamer_service.uri import parse_uri
-
-from harness.faults import denied_fault
 
 # A model tree as hubs and engines lay it out: metadata to pull, weights to leave.
 METADATA = {

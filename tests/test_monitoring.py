@@ -21,9 +21,9 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from daemon_harness import DaemonProcess, finish
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon_harness import DaemonProcess, finish
 from streamer_service.daemon.scrape import MetricsListener
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -14,10 +14,10 @@ import termios
 
 import pytest
 import torch
-
-import streamer_client
 from checkpoints import ground_truth, make_sharded_checkpoint, mixed_tensors
 from daemon_harness import DaemonProcess
+
+import streamer_client
 
 CLI = [sys.executable, "-m", "streamer_service"]
 

@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from daemon_harness import DaemonProcess, finish_failed, leftovers
+
 from streamer_service.sample import build_sample
 
 pytestmark = pytest.mark.skipif(
@@ -120,9 +120,8 @@ def test_segments_prepared_at_start_give_way_to_a_load_the_shm_dir_has_room_for(
     # A 5 MiB dir, a 4 MiB budget: the daemon prepares four 1 MiB ring slots at start; the load's
     # first batch is a 2.5 MiB tensor (its own segment), which fits only once idle ones are unlinked.
     import numpy as np
-    from safetensors.numpy import save_file
-
     from daemon_harness import finish, wait_until
+    from safetensors.numpy import save_file
 
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()

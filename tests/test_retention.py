@@ -13,14 +13,14 @@ import threading
 from pathlib import Path
 
 import pytest
+from daemon_harness import DaemonProcess, finish, finish_failed
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon_harness import DaemonProcess, finish, finish_failed
 from streamer_service.checkpoint.catalog import build_catalog
-from streamer_service.sample import build_sample, rank_selection
 from streamer_service.daemon.resident import ResidentStore
-from streamer_service.settings import Settings
 from streamer_service.daemon.shm import SegmentStore
+from streamer_service.sample import build_sample, rank_selection
+from streamer_service.settings import Settings
 from streamer_service.storage import open_storage
 from streamer_service.uri import parse_uri
 

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from daemon_harness import DaemonProcess, finish, leftovers
 from harness.faults import denied_fault
+
 from streamer_service.sample import build_sample
 
 

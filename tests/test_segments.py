@@ -16,15 +16,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
-import streamer_client
 from checkpoints import ground_truth
 from daemon_harness import DaemonProcess
-from streamer_client.pinning import HostPinner
+from test_cuda import FakeCudart
+
+import streamer_client
 from streamer_client.daemon import DaemonClient, _Receiver
 from streamer_client.dtypes import torch_dtype
+from streamer_client.pinning import HostPinner
 from streamer_client.segments import SegmentMaps, segment_maps
-from test_cuda import FakeCudart
 
 
 @pytest.fixture

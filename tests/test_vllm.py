@@ -22,7 +22,6 @@ import tempfile
 from pathlib import Path
 
 import pytest
-
 from daemon_harness import DaemonProcess
 
 ROOT = Path(__file__).resolve().parent.parent

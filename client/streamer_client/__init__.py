@@ -130,7 +130,7 @@ def stream(
     session: str | None = None,
     progress: bool = False,
     require_daemon: bool = False,
-) -> Iterator[tuple[str, "torch.Tensor"]]:
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream the tensors of checkpoint ``uri``: ``(name, tensor)`` in checkpoint order.
 
     ``select`` takes tensor names and/or name prefixes (default: every tensor);
@@ -217,7 +217,7 @@ def _progress_mode(asked: bool) -> str:
     return mode
 
 
-def load_state_dict(uri: str | os.PathLike, **kwargs) -> dict[str, "torch.Tensor"]:
+def load_state_dict(uri: str | os.PathLike, **kwargs) -> dict[str, torch.Tensor]:
     """Every selected tensor of ``uri`` in a dict (takes the arguments of :func:`stream`)."""
     if kwargs.get("borrowed"):
         from .errors import ConfigError

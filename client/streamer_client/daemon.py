@@ -33,11 +33,11 @@ import numpy as np
 import torch
 
 from . import copier, delivery, errors, protocol
+from .connection import POLL_WAIT_S, DaemonClient
+from .devices import resolve_device
 from .errors import DaemonError, StreamerError
 from .leases import Leases
-from .connection import POLL_WAIT_S, DaemonClient
 from .progress import track
-from .devices import resolve_device
 from .protocol import Handle, JoinReply, NextReply
 from .request import StreamRequest
 from .segments import map_segment, segment_maps

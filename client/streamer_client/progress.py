@@ -45,7 +45,7 @@ class _Quiet:
     def close(self) -> None:
         pass
 
-    def __enter__(self) -> "_Quiet":
+    def __enter__(self) -> _Quiet:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -87,8 +87,8 @@ def bar(*, total: int | None, desc: str, mode: str, unit: str = "B") -> Any:
 
 
 def track(
-    tensors: Iterator[tuple[str, "torch.Tensor"]], *, total: int | None, desc: str, mode: str
-) -> Iterator[tuple[str, "torch.Tensor"]]:
+    tensors: Iterator[tuple[str, torch.Tensor]], *, total: int | None, desc: str, mode: str
+) -> Iterator[tuple[str, torch.Tensor]]:
     """``tensors`` unchanged, counting their bytes on a bar (created now, so errors come eagerly)."""
     progress = bar(total=total, desc=desc, mode=mode)
     return _counted(tensors, progress)

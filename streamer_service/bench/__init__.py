@@ -98,9 +98,9 @@ def _config(args: argparse.Namespace, work: Path):
 
 
 def run(args: argparse.Namespace) -> int:
+    from .ranks import Mode
     from .report import Progress, format_tables, missed_targets, ratios, summarize
     from .runner import Bench, loadavg, machine_info
-    from .ranks import Mode
     from .sources import SOURCES
 
     # A bench stopped with SIGTERM still stops its servers and daemon and removes its shared memory.
@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
         f"Run:ai env for A, B, C: {config.runai_env}; buffer budget (B's daemon, C) {config.shm_budget}; "
         + (f"retention budget (B's daemon) {config.retention_budget}; " if config.retention_budget not in ("", "0") else "")
         + (f"every storage request held {config.latency_s * 1000:g} ms (latency proxy); " if config.latency_s else "")
-        + 
+        +
         f"ranks take {'zero-copy views' if config.borrowed else 'owned tensors'}; "
         f"medians of {config.reps} after {config.warmup} warm-up; load average {load_before[0]:.2f} -> {load_after[0]:.2f}"
     )

@@ -19,8 +19,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..checkpoint.open import open_checkpoint
-from ..sample import build_sample
 from ..daemon.server import ChildDaemon
+from ..sample import build_sample
 from ..settings import Settings
 from ..uri import parse_uri
 from .measure import Sampler, read_io

@@ -31,8 +31,8 @@ from typing import Any
 
 from streamer_client.errors import CheckpointError, HeaderError, ObjectNotFoundError
 
-from .header import FileHeader, TensorInfo, read_header
 from ..storage.base import ObjectInfo, Storage
+from .header import FileHeader, TensorInfo, read_header
 
 __all__ = [
     "INDEX_NAME",

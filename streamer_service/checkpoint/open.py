@@ -19,11 +19,11 @@ from pathlib import Path
 from streamer_client.errors import CheckpointError, HeaderError, ObjectNotFoundError
 
 from ..access import file_mode
-from .catalog import INDEX_NAME, Catalog, build_catalog
 from ..metadata.cache import Marker, MetadataCache, write_private
 from ..settings import Settings
 from ..storage import open_storage
 from ..uri import StorageURI, parse_uri
+from .catalog import INDEX_NAME, Catalog, build_catalog
 
 __all__ = ["Checkpoint", "open_checkpoint"]
 

@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING
 
 from streamer_client.errors import ObjectChangedError, ObjectNotFoundError
 
-from .plan import Batch
 from ..settings import Settings
 from ..storage import ObjectInfo, Storage, open_storage
 from ..uri import StorageURI
+from .plan import Batch
 
 if TYPE_CHECKING:
     from .open import Checkpoint
@@ -50,7 +50,7 @@ class ObjectVersions:
         self._heads: dict[str, tuple[float, ObjectInfo]] = {}  # each file's last HEAD: when sent, what it said
 
     @classmethod
-    def of(cls, checkpoint: "Checkpoint", settings: Settings) -> "ObjectVersions":
+    def of(cls, checkpoint: Checkpoint, settings: Settings) -> ObjectVersions:
         """The versions a checkpoint's catalog was built from: its shards and its index."""
         catalog = checkpoint.catalog
         return cls(checkpoint.uri, [*catalog.files, *([catalog.index] if catalog.index is not None else [])], settings)

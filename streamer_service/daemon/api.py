@@ -34,13 +34,13 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 from streamer_client import errors
 from streamer_client.protocol import JoinReply, MetadataReply, NextReply, error_body
 
+from ..readers.choice import local_reader_in_force
+from ..readers.runai import read_parallelism_in_force
+from ..settings import Settings
 from .core import Daemon
 from .metrics import CONTENT_TYPE
 from .process import peer_pid
 from .readiness import shm_room
-from ..readers.choice import local_reader_in_force
-from ..readers.runai import read_parallelism_in_force
-from ..settings import Settings
 
 __all__ = ["PEER_PID", "PeerCredentialsProtocol", "create_app"]
 

@@ -17,22 +17,22 @@ from streamer_client.errors import SessionError, StreamerError
 
 from ..access import AllowList, file_mode
 from ..checkpoint.open import open_checkpoint
-from ..readers.choice import reader_for
-from ..metadata.cache import MetadataCache
-from .metrics import Metrics, build_info
 from ..checkpoint.plan import select as select_tensors
+from ..checkpoint.versions import ObjectVersions
+from ..metadata.cache import MetadataCache
+from ..readers.choice import reader_for
+from ..readers.runai import check_credentials, storage_environment
+from ..settings import Settings
+from ..sizing import first_ring_slots, in_flight_bytes, slot_bytes
+from ..uri import StorageURI
+from .ledger import UNFINISHED, RankStatus
+from .metrics import Metrics, build_info
+from .pages import small_pages_advice
 from .process import ProcessWatch
 from .resident import ResidentStore
-from ..readers.runai import check_credentials, storage_environment
-from .ledger import UNFINISHED, RankStatus
 from .session import Session, SessionState
-from ..settings import Settings
-from .pages import small_pages_advice
 from .shm import SegmentPool, SegmentStore, ShmBudget
-from ..sizing import first_ring_slots, in_flight_bytes, slot_bytes
 from .stats import DaemonStats, SessionSummary
-from ..uri import StorageURI
-from ..checkpoint.versions import ObjectVersions
 
 __all__ = ["Daemon"]
 

@@ -13,8 +13,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .pages import Pages
 from ..sizing import first_ring_slots
+from .pages import Pages
 
 __all__ = ["ShmRoom", "shm_room"]
 

@@ -23,13 +23,13 @@ from streamer_client.connection import DaemonClient
 from streamer_client.errors import ConfigError, InvalidURIError
 
 from ..access import check_shared_access, socket_mode
-from .api import PeerCredentialsProtocol, create_app
 from ..readers.choice import local_reader_in_force
 from ..readers.runai import read_parallelism_in_force
-from .scrape import MetricsListener
-from .stats import DaemonStats
 from ..settings import DEFAULT_SOCKET, Settings, few_slots_warning
 from ..uri import parse_uri
+from .api import PeerCredentialsProtocol, create_app
+from .scrape import MetricsListener
+from .stats import DaemonStats
 
 __all__ = ["DEFAULT_SOCKET", "ChildDaemon", "check_startup", "serve", "bind_unix_socket"]
 

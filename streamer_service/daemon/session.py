@@ -40,19 +40,19 @@ from streamer_client.protocol import Handle
 
 from ..checkpoint.catalog import TensorInfo
 from ..checkpoint.open import Checkpoint
+from ..checkpoint.plan import Batch, BatchKind, build_plan
+from ..checkpoint.versions import ObjectVersions
+from ..load.pipeline import Load, LoadStats, Pipeline
+from ..readers.base import ReaderFactory
+from ..readers.choice import open_reader, reader_for
 from .ledger import RankLedger, RankState, RankStatus
 from .metrics import LoadTimes
-from ..load.pipeline import Load, LoadStats, Pipeline
-from ..checkpoint.plan import Batch, BatchKind, build_plan
 from .process import ProcessWatch
 from .resident import ResidentStore
 from .roster import Roster
-from ..readers.base import ReaderFactory
-from ..readers.choice import open_reader, reader_for
 from .session_buffers import SegmentSlot, SessionBuffers
 from .shm import Segment, SegmentPool
 from .stats import SessionSummary
-from ..checkpoint.versions import ObjectVersions
 
 __all__ = ["Session", "SessionState"]
 
@@ -83,7 +83,7 @@ class Session:
         pool: SegmentPool,
         in_flight: int | None = None,
         join_timeout_s: float,
-        on_end: Callable[["Session"], None],
+        on_end: Callable[[Session], None],
         resident: ResidentStore | None = None,
         rejoin: tuple[str, int] | None = None,
         storage_environment: Mapping[str, str] | None = None,

@@ -35,10 +35,10 @@ from streamer_client.protocol import Handle
 
 from ..checkpoint.catalog import TensorInfo
 from ..checkpoint.plan import Batch, BatchKind, Placement, Plan
-from .resident import ResidentCopy, ResidentStore
 from ..load.ring import Ring
-from .shm import CREATE_WORKERS, Reservation, Segment, SegmentPool
 from ..sizing import ring_slots
+from .resident import ResidentCopy, ResidentStore
+from .shm import CREATE_WORKERS, Reservation, Segment, SegmentPool
 
 __all__ = ["KEPT_AHEAD", "SegmentSlot", "SessionBuffers"]
 

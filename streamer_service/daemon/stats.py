@@ -28,7 +28,7 @@ class RankSummary:
         return out
 
     @classmethod
-    def from_json(cls, body: dict) -> "RankSummary":
+    def from_json(cls, body: dict) -> RankSummary:
         return cls(body["status"], body["bytes_selected"], body["bytes_delivered"], body.get("error"))
 
 
@@ -51,7 +51,7 @@ class SessionSummary:
         return out
 
     @classmethod
-    def from_json(cls, body: dict) -> "SessionSummary":
+    def from_json(cls, body: dict) -> SessionSummary:
         # JSON object keys are strings: the ranks come back as ints.
         ranks = {int(rank): RankSummary.from_json(r) for rank, r in body["ranks"].items()}
         return cls(**{**body, "ranks": ranks})
@@ -98,7 +98,7 @@ class DaemonStats:
         }
 
     @classmethod
-    def from_json(cls, body: dict) -> "DaemonStats":
+    def from_json(cls, body: dict) -> DaemonStats:
         """The stats of a daemon, from its ``GET /v1/stats`` JSON (:meth:`to_json`'s inverse)."""
         resident = {f.name: body[f.name] for f in fields(ResidentStats)}
         resident["resident_checkpoints"] = tuple(resident["resident_checkpoints"])

@@ -75,17 +75,16 @@ from dataclasses import dataclass
 
 import torch
 
-from streamer_client.cuda import PinnedCopier
 from streamer_client import delivery
+from streamer_client.cuda import PinnedCopier
 from streamer_client.dtypes import torch_dtype
 from streamer_client.errors import BorrowedTensorError, CheckpointError, ConfigError
 from streamer_client.request import target
 
-from .buffers import HostBuffer, PinnedPool, pinned_pool
-from .slots import EngineStats, Slot, Slots
 from ..checkpoint.catalog import Catalog
 from ..checkpoint.plan import DEFAULT_ALIGN, Batch, BatchKind, Part, Placement, Plan, build_plan, in_parts
 from ..checkpoint.plan import select as select_tensors
+from ..checkpoint.versions import ObjectVersions
 from ..load.pipeline import Load, Pipeline
 from ..readers.base import Reader, ReaderFactory
 from ..readers.choice import open_reader, reader_for
@@ -93,7 +92,8 @@ from ..readers.runai import storage_environment
 from ..settings import Settings
 from ..sizing import in_flight_bytes, ring_slots, slot_bytes
 from ..uri import StorageURI
-from ..checkpoint.versions import ObjectVersions
+from .buffers import HostBuffer, PinnedPool, pinned_pool
+from .slots import EngineStats, Slot, Slots
 
 __all__ = [
     "BorrowedTensorError",

@@ -10,10 +10,10 @@ from streamer_client.progress import track
 from streamer_client.request import StreamRequest
 
 from ..checkpoint.open import open_checkpoint
-from .engine import EmbeddedEngine, EngineConfig
+from ..checkpoint.versions import ObjectVersions
 from ..readers.runai import check_credentials
 from ..settings import Settings
-from ..checkpoint.versions import ObjectVersions
+from .engine import EmbeddedEngine, EngineConfig
 
 __all__ = ["stream"]
 

@@ -34,7 +34,7 @@ from typing import Any, Protocol
 from streamer_client.errors import StorageError
 
 from ..checkpoint.plan import Batch, Plan
-from ..readers.base import FileReads, RangeResult, ReadRange, Reader
+from ..readers.base import FileReads, RangeResult, Reader, ReadRange
 from ..sizing import submission_size
 from ..uri import StorageURI
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import ContextManager, Generic, TypeVar
+from typing import Generic, TypeVar
 
 __all__ = ["Ring"]
 
@@ -29,7 +29,7 @@ class Ring(Generic[T]):
     condition); the engine's single-threaded stream leaves it out.
     """
 
-    def __init__(self, capacity: int = 0, *, lock: ContextManager | None = None) -> None:
+    def __init__(self, capacity: int = 0, *, lock: contextlib.AbstractContextManager | None = None) -> None:
         self.capacity = capacity
         self._lock = lock if lock is not None else contextlib.nullcontext()
         self._slots: list[T] = []  # every slot made, in use or free

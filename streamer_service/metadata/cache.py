@@ -35,15 +35,22 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 
-from streamer_client.errors import CacheError, CheckpointError, ObjectChangedError, ObjectNotFoundError, StreamerError, UnsafeKeyError
+from streamer_client.errors import (
+    CacheError,
+    CheckpointError,
+    ObjectChangedError,
+    ObjectNotFoundError,
+    StreamerError,
+    UnsafeKeyError,
+)
 from streamer_client.launch import launch_origin, resolve_launch_id
 from streamer_client.progress import bar
 
 from ..access import dir_mode, file_mode
-from .lock import FileLock
 from ..settings import Settings
 from ..storage import ObjectInfo, Storage, open_storage
 from ..uri import StorageURI, parse_uri
+from .lock import FileLock
 
 __all__ = ["LOADER_PATTERNS", "MARKER", "WEIGHT_SUFFIXES", "MetadataCache", "Marker", "is_weight", "safe_relative_path", "wanted", "write_private"]
 
@@ -122,7 +129,7 @@ class Marker:
     pulled_at: str
 
     @classmethod
-    def read(cls, cache_dir: Path) -> "Marker | None":
+    def read(cls, cache_dir: Path) -> Marker | None:
         """The marker, or None when absent or unreadable (an unreadable marker means incomplete)."""
         try:
             data = json.loads((cache_dir / MARKER).read_text(encoding="utf-8"))

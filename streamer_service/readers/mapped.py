@@ -49,13 +49,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from streamer_client import copier
+from streamer_client.copier import _copier  # None where it did not build: Run:ai reads local files
 from streamer_client.errors import ObjectChangedError, StorageError
+from streamer_client.per_process import PerProcess
 
 from .base import FileReads, RangeResult, ReadRange
-
-from streamer_client import copier
-from streamer_client.per_process import PerProcess
-from streamer_client.copier import _copier  # None where it did not build: Run:ai reads local files
 
 __all__ = ["IDLE_S", "FileMaps", "MappedReader", "available", "file_maps"]
 

@@ -8,8 +8,8 @@ here: Run:ai's native reader owns that path (see ``engine``).
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import BinaryIO
 
 from ..uri import StorageURI
@@ -78,7 +78,7 @@ class Storage(abc.ABC):
     def close(self) -> None:
         """Release clients and connections."""
 
-    def __enter__(self) -> "Storage":
+    def __enter__(self) -> Storage:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -61,9 +61,9 @@ import ssl
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
 
 from .backends import AzureBackend, closed_port_url, unique_bucket_name
 from .emulators import AZURITE_ACCOUNT, AZURITE_KEY, HOST, EmulatorError, EmulatorProcess, start_azurite
@@ -104,7 +104,7 @@ for src, dst in json.loads(sys.argv[1]):
         sys.stderr.flush()
         os._exit(%d)
 os.execv(sys.argv[2], sys.argv[2:])
-""" % SETUP_FAILED
+""" % SETUP_FAILED  # noqa: UP031 - the script has braces of its own
 
 # A TLS handshake from inside the namespace with nothing but the system bundle and the system
 # resolver: proves the harness works before any product code runs.
@@ -119,7 +119,7 @@ with socket.create_connection(addr, timeout=10) as raw, ctx.wrap_socket(raw, ser
 """
 
 
-def skip_reason() -> Optional[str]:
+def skip_reason() -> str | None:
     """Why the Azure-over-TLS tests cannot run on this machine (``None``: they must run)."""
     if not sys.platform.startswith("linux"):
         return "Azure streaming tests need Linux mount namespaces (unshare -m)"
@@ -133,7 +133,7 @@ def skip_reason() -> Optional[str]:
     return None
 
 
-def _unshare_path() -> Optional[str]:
+def _unshare_path() -> str | None:
     return shutil.which("unshare") or next(
         (p for p in ("/usr/bin/unshare", "/bin/unshare") if os.access(p, os.X_OK)), None
     )
@@ -250,7 +250,7 @@ class AzureTLSService:
     ``client``: an SDK client for fixture setup, talking to Azurite directly from outside.
     """
 
-    def __init__(self, log_dir: Optional[Path] = None) -> None:
+    def __init__(self, log_dir: Path | None = None) -> None:
         reason = skip_reason()
         if reason is not None:
             raise EmulatorError(reason)
@@ -303,7 +303,7 @@ class AzureTLSService:
             "REQUESTS_CA_BUNDLE": str(SYSTEM_CA_BUNDLE),
         }
 
-    def new_backend(self) -> "AzureTLSBackend":
+    def new_backend(self) -> AzureTLSBackend:
         return AzureTLSBackend(self)
 
     # -- the namespace
@@ -363,9 +363,9 @@ class AzureTLSService:
         self,
         argv: Sequence[str],
         *,
-        env: Optional[Mapping[str, str]] = None,
+        env: Mapping[str, str] | None = None,
         timeout: float = 120,
-        cwd: Optional[Path] = None,
+        cwd: Path | None = None,
         trust: bool = True,
     ) -> subprocess.CompletedProcess:
         """Run ``argv`` in the namespace with ``env`` (default: ``os.environ`` + :attr:`env`).

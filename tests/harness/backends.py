@@ -19,7 +19,6 @@ import shutil
 import socket
 import uuid
 from pathlib import Path
-from typing import Optional
 
 from .emulators import (
     AZURITE_ACCOUNT,
@@ -56,7 +55,7 @@ def unique_bucket_name() -> str:
 
 # A socket bound but never listening: connecting to its port is refused (RST) at once, and no
 # other process can take the port while this test session runs.
-_closed_sock: Optional[socket.socket] = None
+_closed_sock: socket.socket | None = None
 
 
 def closed_port_url() -> str:
@@ -87,7 +86,7 @@ class Backend:
     name: str
     scheme: str = ""
     bucket: str = ""
-    proxy: Optional[CountingProxy] = None
+    proxy: CountingProxy | None = None
     env: dict[str, str]
 
     def uri(self, prefix: str) -> str:
@@ -190,7 +189,7 @@ class _Service:
 
 
 class S3Service(_Service):
-    def __init__(self, log_dir: Optional[Path] = None) -> None:
+    def __init__(self, log_dir: Path | None = None) -> None:
         import boto3
         from botocore.config import Config
 
@@ -219,12 +218,12 @@ class S3Service(_Service):
             "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0",
         }
 
-    def new_backend(self) -> "S3Backend":
+    def new_backend(self) -> S3Backend:
         return S3Backend(self)
 
 
 class GcsService(_Service):
-    def __init__(self, log_dir: Optional[Path] = None) -> None:
+    def __init__(self, log_dir: Path | None = None) -> None:
         from google.auth.credentials import AnonymousCredentials
         from google.cloud import storage
 
@@ -256,12 +255,12 @@ class GcsService(_Service):
             "GOOGLE_CLOUD_PROJECT": "test",
         }
 
-    def new_backend(self) -> "GcsBackend":
+    def new_backend(self) -> GcsBackend:
         return GcsBackend(self)
 
 
 class AzureService(_Service):
-    def __init__(self, log_dir: Optional[Path] = None) -> None:
+    def __init__(self, log_dir: Path | None = None) -> None:
         from azure.storage.blob import BlobServiceClient
 
         self.emulator = start_azurite(log_dir=log_dir)
@@ -281,7 +280,7 @@ class AzureService(_Service):
             "AZURE_STORAGE_ACCOUNT_KEY": AZURITE_KEY,
         }
 
-    def new_backend(self) -> "AzureBackend":
+    def new_backend(self) -> AzureBackend:
         return AzureBackend(self)
 
 

@@ -25,8 +25,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Optional, Sequence
 
 __all__ = [
     "EmulatorError",
@@ -129,7 +129,7 @@ def _node_path() -> str:
 
 # --------------------------------------------------------------------------- process handling
 
-_RUNNING: "set[EmulatorProcess]" = set()
+_RUNNING: set[EmulatorProcess] = set()
 _RUNNING_LOCK = threading.Lock()
 
 if sys.platform.startswith("linux"):
@@ -149,7 +149,7 @@ def _child_setup() -> None:  # runs in the forked child before exec: keep it tri
         _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _child_env(extra: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+def _child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
@@ -181,13 +181,13 @@ class EmulatorProcess:
         argv: Sequence[str],
         *,
         port: int,
-        log_dir: Optional[Path] = None,
+        log_dir: Path | None = None,
         ready_path: str = "/",
         startup_timeout: float = 30.0,
         stop_timeout: float = 5.0,
-        env: Optional[Mapping[str, str]] = None,
-        cwd: Optional[Path] = None,
-        tls: Optional[ssl.SSLContext] = None,
+        env: Mapping[str, str] | None = None,
+        cwd: Path | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> None:
         self.name = name
         self.argv = [str(a) for a in argv]
@@ -201,7 +201,7 @@ class EmulatorProcess:
         self.env = _child_env(env)
         self.cwd = cwd or self.log_dir
         self.tls = tls
-        self._proc: Optional[subprocess.Popen] = None
+        self._proc: subprocess.Popen | None = None
 
     # -- properties
     @property
@@ -209,7 +209,7 @@ class EmulatorProcess:
         return f"{'https' if self.tls is not None else 'http'}://{HOST}:{self.port}"
 
     @property
-    def pid(self) -> Optional[int]:
+    def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
 
     @property
@@ -220,7 +220,7 @@ class EmulatorProcess:
         return f"<EmulatorProcess {self.name} pid={self.pid} {self.endpoint}>"
 
     # -- lifecycle
-    def start(self) -> "EmulatorProcess":
+    def start(self) -> EmulatorProcess:
         if self._proc is not None:
             raise EmulatorError(f"{self.name} already started")
         with open(self.log_path, "ab") as log:
@@ -248,7 +248,7 @@ class EmulatorProcess:
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.startup_timeout
-        last_error: Optional[BaseException] = None
+        last_error: BaseException | None = None
         while time.monotonic() < deadline:
             if self._proc.poll() is not None:
                 raise EmulatorError(
@@ -295,7 +295,7 @@ class EmulatorProcess:
             with _RUNNING_LOCK:
                 _RUNNING.discard(self)
 
-    def __enter__(self) -> "EmulatorProcess":
+    def __enter__(self) -> EmulatorProcess:
         return self.start() if self._proc is None else self
 
     def __exit__(self, *exc) -> None:
@@ -310,12 +310,12 @@ def _stop_all() -> None:
         p.stop()
 
 
-def _start_with_port_retry(make, port: Optional[int], attempts: int = 3) -> EmulatorProcess:
+def _start_with_port_retry(make, port: int | None, attempts: int = 3) -> EmulatorProcess:
     """Start ``make(port)``; when we picked the port ourselves, retry on another if it fails
     (another process may have taken the port between ``free_port()`` and the bind)."""
     if port is not None:
         return make(port).start()
-    error: Optional[EmulatorError] = None
+    error: EmulatorError | None = None
     for _ in range(attempts):
         try:
             return make(free_port()).start()
@@ -330,7 +330,7 @@ def _start_with_port_retry(make, port: Optional[int], attempts: int = 3) -> Emul
 # --------------------------------------------------------------------------- the three emulators
 
 
-def start_moto(port: Optional[int] = None, log_dir: Optional[Path] = None) -> EmulatorProcess:
+def start_moto(port: int | None = None, log_dir: Path | None = None) -> EmulatorProcess:
     """moto's S3 server (``moto_server -H 127.0.0.1 -p PORT``)."""
     exe = moto_server_path()
 
@@ -347,9 +347,9 @@ def start_moto(port: Optional[int] = None, log_dir: Optional[Path] = None) -> Em
 
 
 def start_fake_gcs(
-    port: Optional[int] = None,
-    log_dir: Optional[Path] = None,
-    public_url: Optional[str] = None,
+    port: int | None = None,
+    log_dir: Path | None = None,
+    public_url: str | None = None,
 ) -> EmulatorProcess:
     """fake-gcs-server, in memory, plain HTTP.
 
@@ -383,12 +383,12 @@ def start_fake_gcs(
 
 
 def start_azurite(
-    port: Optional[int] = None,
-    log_dir: Optional[Path] = None,
+    port: int | None = None,
+    log_dir: Path | None = None,
     *,
-    cert: Optional[Path] = None,
-    key: Optional[Path] = None,
-    tls: Optional[ssl.SSLContext] = None,
+    cert: Path | None = None,
+    key: Path | None = None,
+    tls: ssl.SSLContext | None = None,
 ) -> EmulatorProcess:
     """Azurite's blob service, run as ``node .../dist/src/blob/main.js`` (no npx wrapper).
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 import json
 import threading
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from .proxy import Fault, FaultHook, RecordedRequest
 
@@ -53,7 +53,7 @@ def cloud_error(backend: str, status: int, method: str = "GET") -> Fault:
 
 
 def _always_error(backend: str, status: int) -> FaultHook:
-    def hook(r: RecordedRequest) -> Optional[Fault]:
+    def hook(r: RecordedRequest) -> Fault | None:
         return cloud_error(backend, status, r.method)
 
     return hook
@@ -69,12 +69,12 @@ def unavailable_fault(backend: str) -> FaultHook:
     return _always_error(backend, 503)
 
 
-def _numbered(fault: FaultHook, when: Optional[Callable[[RecordedRequest], bool]], chosen: Callable[[int], bool]) -> FaultHook:
+def _numbered(fault: FaultHook, when: Callable[[RecordedRequest], bool] | None, chosen: Callable[[int], bool]) -> FaultHook:
     """Apply ``fault`` to the i-th request matching ``when`` (all when None), counted from 1, if ``chosen(i)``."""
     counter = itertools.count(1)
     lock = threading.Lock()
 
-    def hook(r: RecordedRequest) -> Optional[Fault]:
+    def hook(r: RecordedRequest) -> Fault | None:
         if when is not None and not when(r):
             return None
         with lock:
@@ -84,7 +84,7 @@ def _numbered(fault: FaultHook, when: Optional[Callable[[RecordedRequest], bool]
     return hook
 
 
-def first_n(n: int, fault: FaultHook, when: Optional[Callable[[RecordedRequest], bool]] = None) -> FaultHook:
+def first_n(n: int, fault: FaultHook, when: Callable[[RecordedRequest], bool] | None = None) -> FaultHook:
     """Apply ``fault`` to the first ``n`` requests that match ``when`` (all by default); then forward."""
     return _numbered(fault, when, lambda i: i <= n)
 
@@ -94,7 +94,7 @@ def range_get(r: RecordedRequest) -> bool:
     return r.method == "GET" and r.range is not None
 
 
-def every_nth(n: int, fault: FaultHook, when: Optional[Callable[[RecordedRequest], bool]] = range_get) -> FaultHook:
+def every_nth(n: int, fault: FaultHook, when: Callable[[RecordedRequest], bool] | None = range_get) -> FaultHook:
     """Apply ``fault`` to every ``n``-th request matching ``when`` (ranged GETs by default): a
     deterministic share ``1/n`` of them; the others, and every retry in between, are forwarded."""
     return _numbered(fault, when, lambda i: i % n == 0)

@@ -19,9 +19,9 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Callable, Optional
 from urllib.parse import unquote, urlsplit
 
 __all__ = ["RecordedRequest", "Damage", "Fault", "CountingProxy"]
@@ -50,8 +50,8 @@ class RecordedRequest:
     method: str
     path: str  # percent-decoded path, without the query ("/bucket/dir/file" for GCS too)
     query: str  # raw query string, "" when none
-    range: Optional[str]  # Range header (Azure: x-ms-range, preferred) as sent; None when absent
-    status: Optional[int] = None  # status sent back; None when the connection was dropped
+    range: str | None  # Range header (Azure: x-ms-range, preferred) as sent; None when absent
+    status: int | None = None  # status sent back; None when the connection was dropped
 
 
 class Damage(enum.Enum):
@@ -70,27 +70,27 @@ class Fault:
     body: bytes = b""
     headers: tuple[tuple[str, str], ...] = ()
     drop: bool = False  # close the connection without any response
-    damage: Optional[Damage] = None  # forward, then damage the response body
+    damage: Damage | None = None  # forward, then damage the response body
     stall_s: float = 0.0  # Damage.STALL: how long to send nothing
 
     @classmethod
-    def drop_connection(cls) -> "Fault":
+    def drop_connection(cls) -> Fault:
         return cls(drop=True)
 
     @classmethod
-    def truncated(cls) -> "Fault":
+    def truncated(cls) -> Fault:
         return cls(damage=Damage.TRUNCATE)
 
     @classmethod
-    def reset(cls) -> "Fault":
+    def reset(cls) -> Fault:
         return cls(damage=Damage.RESET)
 
     @classmethod
-    def stalled(cls, seconds: float) -> "Fault":
+    def stalled(cls, seconds: float) -> Fault:
         return cls(damage=Damage.STALL, stall_s=seconds)
 
 
-FaultHook = Callable[[RecordedRequest], Optional[Fault]]
+FaultHook = Callable[[RecordedRequest], Fault | None]
 
 
 class _DropConnection(Exception):
@@ -99,8 +99,8 @@ class _DropConnection(Exception):
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive; also makes the base class answer 100-continue
-    server: "_Server"
-    _upstream: Optional[http.client.HTTPConnection] = None
+    server: _Server
+    _upstream: http.client.HTTPConnection | None = None
     _upstream_used = False
 
     def log_message(self, format: str, *args) -> None:  # noqa: A002 - quiet
@@ -124,7 +124,7 @@ class _Handler(BaseHTTPRequestHandler):
             return self._handle
         raise AttributeError(name)
 
-    def _read_body(self) -> Optional[bytes]:
+    def _read_body(self) -> bytes | None:
         te = self.headers.get("Transfer-Encoding", "")
         if "chunked" in te.lower():
             chunks = []
@@ -193,7 +193,7 @@ class _Handler(BaseHTTPRequestHandler):
         proxy._record(replace(record, status=status))
         self._respond(status, reason, headers, data, length)
 
-    def _forward(self, body: Optional[bytes]):
+    def _forward(self, body: bytes | None):
         for attempt in (0, 1):
             reused = self._upstream is not None and self._upstream_used
             if self._upstream is None:
@@ -253,7 +253,7 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError:
             pass
 
-    def _respond(self, status, reason, headers, data: bytes, upstream_length: Optional[str]) -> None:
+    def _respond(self, status, reason, headers, data: bytes, upstream_length: str | None) -> None:
         self.send_response_only(status, reason or None)
         for name, value in headers:
             if name.lower() not in _HOP_BY_HOP:
@@ -277,7 +277,7 @@ class _Server(ThreadingHTTPServer):
     block_on_close = False  # open keep-alive connections are closed by CountingProxy.stop()
     request_queue_size = 128
 
-    def __init__(self, address, proxy: "CountingProxy") -> None:
+    def __init__(self, address, proxy: CountingProxy) -> None:
         self.proxy = proxy
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
@@ -308,12 +308,12 @@ class CountingProxy:
         self.upstream = _parse_upstream(upstream)
         self.timeout_s = timeout_s
         self.delay_s: float = 0.0
-        self.fault: Optional[FaultHook] = None
+        self.fault: FaultHook | None = None
         self._unstall = threading.Event()  # set: stalled responses stop waiting
         self._records: list[RecordedRequest] = []
         self._lock = threading.Lock()
         self._server = _Server((host, port), self)
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
 
     @property
     def port(self) -> int:
@@ -327,7 +327,7 @@ class CountingProxy:
         self.upstream = _parse_upstream(upstream)
 
     # -- lifecycle
-    def start(self) -> "CountingProxy":
+    def start(self) -> CountingProxy:
         if self._thread is None:
             self._thread = threading.Thread(
                 target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
@@ -345,7 +345,7 @@ class CountingProxy:
         self._server.close_connections()
         self._server.server_close()
 
-    def __enter__(self) -> "CountingProxy":
+    def __enter__(self) -> CountingProxy:
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -373,9 +373,9 @@ class CountingProxy:
 
     def count(
         self,
-        method: Optional[str] = None,
-        path_contains: Optional[str] = None,
-        has_range: Optional[bool] = None,
+        method: str | None = None,
+        path_contains: str | None = None,
+        has_range: bool | None = None,
     ) -> int:
         return sum(
             1

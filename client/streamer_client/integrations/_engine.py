@@ -58,7 +58,7 @@ class LoaderOptions:
     KEYS = ("socket", "session", "budget", "borrowed", "uri")
 
     @classmethod
-    def parse(cls, extra: Mapping[str, Any] | None, *, where: str) -> "LoaderOptions":
+    def parse(cls, extra: Mapping[str, Any] | None, *, where: str) -> LoaderOptions:
         """Validated options; an unknown key or a wrong type raises :class:`ConfigError` naming it."""
         extra = dict(extra or {})
         unknown = sorted(set(extra) - set(cls.KEYS))

@@ -9,8 +9,8 @@ only the tensors of incomplete groups are held.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Hashable
+from collections.abc import Hashable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from .. import stream
 from ..errors import ConfigError, SelectionError
@@ -29,7 +29,7 @@ def load_groups(
     world_size: int = 1,
     device: str = "cpu",
     **stream_kwargs,
-) -> Iterator[tuple[Hashable, dict[str, "torch.Tensor"]]]:
+) -> Iterator[tuple[Hashable, dict[str, torch.Tensor]]]:
     """``(group key, {name: tensor})`` for each of ``groups``, as soon as the group is complete.
 
     Group entries are exact tensor names (``streamer-service inspect --json`` or the pulled

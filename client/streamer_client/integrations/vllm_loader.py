@@ -23,7 +23,6 @@ and tested with it (tests/test_vllm.py).
 
 from __future__ import annotations
 
-
 from torch import nn
 from vllm.config import ModelConfig
 from vllm.config.load import LoadConfig

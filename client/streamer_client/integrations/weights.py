@@ -34,7 +34,7 @@ def weights_iterator(
     device: str = "cpu",
     progress: bool | None = None,
     **stream_kwargs,
-) -> Iterator[tuple[str, "torch.Tensor"]]:
+) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` for every tensor of ``uri`` (or of ``select``), in checkpoint order.
 
     ``select`` (names and/or prefixes) decides what is read at all; ``name_filter`` drops

@@ -10,7 +10,13 @@
 from __future__ import annotations
 
 from .contract import DISTRIBUTIONS, ENTRY_POINTS, FS_STRATEGY_SYMBOL, NATIVE_MODULE, PINNED_VERSION, installed_versions
-from .environment import FS_STRATEGY_ENV, READ_PARALLELISM_DEFAULTS, check_credentials, read_parallelism_in_force, storage_environment
+from .environment import (
+    FS_STRATEGY_ENV,
+    READ_PARALLELISM_DEFAULTS,
+    check_credentials,
+    read_parallelism_in_force,
+    storage_environment,
+)
 from .reader import BUFFERED_FS_STRATEGY, NativeReader, ResponseCode
 
 __all__ = [
