@@ -65,9 +65,16 @@ def write_checkpoint(directory: Path, size_gb: float) -> int:
     """Layers of four 4096x4096 bf16 matrices plus two norms, in shards; return the tensor bytes."""
     layers = max(1, round(size_gb * 1e9 / (MATRICES_PER_LAYER * MATRIX_BYTES)))
     names = [
-        f"model.layers.{i}.{part}" for i in range(layers)
-        for part in ("attn.qkv.weight", "attn.o.weight", "mlp.up.weight", "mlp.down.weight",
-                     "input_norm.weight", "post_norm.weight")
+        f"model.layers.{i}.{part}"
+        for i in range(layers)
+        for part in (
+            "attn.qkv.weight",
+            "attn.o.weight",
+            "mlp.up.weight",
+            "mlp.down.weight",
+            "input_norm.weight",
+            "post_norm.weight",
+        )
     ]
     per_shard = -(-len(names) // N_SHARDS)
     weight_map: dict[str, str] = {}

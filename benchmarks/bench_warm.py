@@ -128,8 +128,10 @@ def one_rep(rep, source, truth: Path, world: int, device: str, borrowed: bool, r
         ctx = mp.get_context("spawn")
         barrier, results = ctx.Barrier(world), ctx.Queue()
         procs = [
-            ctx.Process(target=_rank_main, args=(r, world, uri, str(truth), keys, device, borrowed,
-                                                  {**os.environ, **daemon.env()}, barrier, results))  # fmt: skip
+            ctx.Process(
+                target=_rank_main,
+                args=(r, world, uri, str(truth), keys, device, borrowed, {**os.environ, **daemon.env()}, barrier, results),
+            )  # fmt: skip
             for r in range(world)
         ]
         for p in procs:
@@ -170,8 +172,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--size-gb", type=float, default=2.0, help="checkpoint size (default 2)")
     parser.add_argument("--ranks", type=int, default=2, help="rank processes (default 2)")
     parser.add_argument("--reps", type=int, default=3, help="repetitions, each on a fresh daemon (default 3)")
-    parser.add_argument("--source", default="local", choices=[s for s in SOURCES if s != "moto"],
-                        help="local dir (page cache) or a SeaweedFS S3 server started here (default local)")
+    parser.add_argument(
+        "--source",
+        default="local",
+        choices=[s for s in SOURCES if s != "moto"],
+        help="local dir (page cache) or a SeaweedFS S3 server started here (default local)",
+    )
     parser.add_argument("--dir", type=Path, help="checkpoint directory (default: written to a temp dir)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda: rank r uses cuda:r")
     parser.add_argument("--borrowed", action="store_true", help="zero-copy CPU views instead of safe copies")
@@ -223,6 +229,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def first_load_table(args, source, truth: Path, total: int, retention: str, tmp: Path) -> None:
     """Rows of (daemon code, retention): first and second load of a fresh daemon, medians of ``--reps``."""
+
     def code_of(checkout: Path) -> dict:  # PYTHONSAFEPATH: not the cwd's checkout first (``python -m``)
         return {"PYTHONPATH": f"{checkout}:{checkout / 'client'}", "PYTHONSAFEPATH": "1"}
 

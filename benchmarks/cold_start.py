@@ -196,7 +196,9 @@ def profiled(kind: str, args, session: str):
     start = time.time()
     profile.enable()
     state, first = {}, None
-    for name, tensor in streamer_client.stream(args.dir, device=args.device, rank=args.rank, world_size=args.world, session=session):
+    for name, tensor in streamer_client.stream(
+        args.dir, device=args.device, rank=args.rank, world_size=args.world, session=session
+    ):
         if first is None:
             first = time.time() - start
         state[name] = tensor
@@ -232,7 +234,10 @@ def write_checkpoint(directory: Path, size_gb: float, device: str, embed_rows: i
     layers = max(1, round((size_gb * GB - rows * HIDDEN * 2) / (4 * MATRIX)))
     specs = [("model.embed_tokens.weight", (rows, HIDDEN), torch.bfloat16)]
     for i in range(layers):
-        specs += [(f"model.layers.{i}.{p}.weight", (HIDDEN, HIDDEN), torch.bfloat16) for p in ("attn.qkv", "attn.o", "mlp.up", "mlp.down")]
+        specs += [
+            (f"model.layers.{i}.{p}.weight", (HIDDEN, HIDDEN), torch.bfloat16)
+            for p in ("attn.qkv", "attn.o", "mlp.up", "mlp.down")
+        ]
         specs += [(f"model.layers.{i}.{p}.weight", (HIDDEN,), torch.float32) for p in ("input_norm", "post_norm")]
     per_shard = -(-len(specs) // SHARDS)
     weight_map, total = {}, 0
@@ -346,7 +351,7 @@ def run_row(row: Row, directory: Path, truth: Path, env: dict, session: str, rel
             result = [line for line in stdout.splitlines() if line.startswith("result ")]
             if p.returncode != 0 or not result:
                 raise SystemExit(f"{row.name}: a worker failed ({p.returncode}):\n{stderr[-3000:]}")
-            out.append(json.loads(result[-1][len("result "):]))
+            out.append(json.loads(result[-1][len("result ") :]))
             if importtime:
                 out[-1][0]["import_s"] = imported_seconds(stderr)
         return out
@@ -392,7 +397,11 @@ def machine(dirs: dict[str, Path]) -> str:
         table = []
     for label, path in dirs.items():
         best = max((m for m in table if len(m) > 3 and str(path).startswith(m[1])), key=lambda m: len(m[1]), default=None)
-        mounts[label] = f"{path} ({best[2]}, {'huge=' + next((o[5:] for o in best[3].split(',') if o.startswith('huge=')), 'never')})" if best else str(path)
+        mounts[label] = (
+            f"{path} ({best[2]}, {'huge=' + next((o[5:] for o in best[3].split(',') if o.startswith('huge=')), 'never')})"
+            if best
+            else str(path)
+        )
     try:
         shmem_thp = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text().strip()
     except OSError:
@@ -414,7 +423,9 @@ def table(rows: list[Row]) -> list[dict]:
     firsts = {r.name: median_rate([wall(go, 0) for go in r.loads]) for r in rows if r.loads}
     reloads = {r.name: median_rate([wall(go, i) for go in r.loads for i in range(1, len(go[0]))]) for r in rows
                if r.loads and len(r.loads[0][0]) > 1}  # fmt: skip
-    it = {src: firsts.get(f"InstantTensor 0.2.2, {where}") for src, where in (("4k", "tmpfs (4 KiB)"), ("thp", "huge=always tmpfs"))}
+    it = {
+        src: firsts.get(f"InstantTensor 0.2.2, {where}") for src, where in (("4k", "tmpfs (4 KiB)"), ("thp", "huge=always tmpfs"))
+    }
     runai4 = firsts.get("plain Run:ai, 4 independent fresh ranks, page cache (wall)")
     out = []
     print()

@@ -162,8 +162,17 @@ def shm_to_cuda(array: np.ndarray, device: str, reps: int, pin: bool, barrier=No
 
 
 def e2e(
-    directory: Path, device: str, reps: int, expected: int, cache_dir: Path, budget: str | None, barrier=None,
-    *, rank: int = 0, world_size: int = 1, keep_first: bool = False,
+    directory: Path,
+    device: str,
+    reps: int,
+    expected: int,
+    cache_dir: Path,
+    budget: str | None,
+    barrier=None,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    keep_first: bool = False,
 ) -> list[float]:
     """Wall time of load_state_dict(dir, device=...) incl. synchronize; GB/s per rep (after a warm-up,
     which ``keep_first`` reports too, as the first element).
@@ -209,7 +218,9 @@ def _spot_check(directory: Path, state: dict[str, torch.Tensor]) -> None:
 # --------------------------------------------------------------------------- two ranks
 
 
-def _rank_main(rank: int, kind: str, arg: str, reps: int, expected: int, cache_dir: str, barrier, results, env=None, world=2) -> None:
+def _rank_main(
+    rank: int, kind: str, arg: str, reps: int, expected: int, cache_dir: str, barrier, results, env=None, world=2
+) -> None:
     try:
         os.environ.update(env or {})
         device = f"cuda:{rank % torch.cuda.device_count()}"
@@ -310,8 +321,11 @@ def main(argv: list[str] | None = None) -> None:
             make_shm_file(shm_path, _random_gpu_bytes(nbytes, device, 2).cpu())
             memory, array = map_shm_file(shm_path)
             rates, register_s, info = shm_to_cuda(array, device, args.reps, pin=True)
-            add("shm->cuda pinned (PinnedCopier)", rates,
-                f"32 MiB tensors; register once {register_s:.2f} s = {register_s / (nbytes / 2**30):.3f} s/GiB")
+            add(
+                "shm->cuda pinned (PinnedCopier)",
+                rates,
+                f"32 MiB tensors; register once {register_s:.2f} s = {register_s / (nbytes / 2**30):.3f} s/GiB",
+            )
             rates, _, info = shm_to_cuda(array, device, max(2, args.reps // 4), pin=False)
             add("shm->cuda pageable (pin=False)", rates, "reference")
             del array
@@ -332,10 +346,16 @@ def main(argv: list[str] | None = None) -> None:
         for budget in [b.strip() for b in args.e2e_budgets.split(",") if b.strip()]:
             b = None if budget == "default" else budget
             label = "default budget 4GiB/256MiB slots" if b is None else f"budget {b}"
-            add(f"e2e load_state_dict(dir, cuda:0), {label}",
-                e2e(directory, device, args.e2e_reps, total, cache_dir, b), "page cache warm")
-        add("e2e load_state_dict(dir, cpu) (reference)", e2e(directory, "cpu", args.e2e_reps, total, cache_dir, None),
-            "no GPU: the read rate")
+            add(
+                f"e2e load_state_dict(dir, cuda:0), {label}",
+                e2e(directory, device, args.e2e_reps, total, cache_dir, b),
+                "page cache warm",
+            )
+        add(
+            "e2e load_state_dict(dir, cpu) (reference)",
+            e2e(directory, "cpu", args.e2e_reps, total, cache_dir, None),
+            "no GPU: the read rate",
+        )
         if args.ranks == 2 and torch.cuda.device_count() >= 2:
             per_rank = two_ranks("e2e", str(directory), args.e2e_reps, total, Path(tmp))
             for r, rates in enumerate(per_rank):
@@ -344,11 +364,16 @@ def main(argv: list[str] | None = None) -> None:
         try:
             for world in sorted({1, args.ranks}):
                 before = daemon.stats().bytes_read
-                per_rank = two_ranks("daemon", str(directory), args.e2e_reps, total, Path(tmp) / "rank-cache", daemon.env(), world)
+                per_rank = two_ranks(
+                    "daemon", str(directory), args.e2e_reps, total, Path(tmp) / "rank-cache", daemon.env(), world
+                )
                 read = (daemon.stats().bytes_read - before) / (args.e2e_reps + 1)
                 for r, rates in enumerate(per_rank):
-                    add(f"daemon e2e, {world} rank(s): rank {r} -> cuda:{r % torch.cuda.device_count()}", rates,
-                        f"node read {read / total:.3f}x the checkpoint per load")
+                    add(
+                        f"daemon e2e, {world} rank(s): rank {r} -> cuda:{r % torch.cuda.device_count()}",
+                        rates,
+                        f"node read {read / total:.3f}x the checkpoint per load",
+                    )
         finally:
             daemon.close()
         for world in sorted({1, args.ranks}) if args.retention else ():
@@ -357,15 +382,20 @@ def main(argv: list[str] | None = None) -> None:
             env = {"STREAMER_CACHE_DIR": str(root / "cache"), "STREAMER_RETENTION_BUDGET": args.retention}
             daemon = ChildDaemon(root, args.daemon_budget, env=env)
             try:
-                per_rank = two_ranks("daemon-retained", str(directory), args.e2e_reps, total, root / "rank-cache", daemon.env(), world)
+                per_rank = two_ranks(
+                    "daemon-retained", str(directory), args.e2e_reps, total, root / "rank-cache", daemon.env(), world
+                )
                 stats = daemon.stats()
             finally:
                 daemon.close()
             for r, rates in enumerate(per_rank):
                 gpu = f"cuda:{r % torch.cuda.device_count()}"
                 add(f"daemon cold, retention on, {world} rank(s): rank {r} -> {gpu}", rates[:1], "first load: reads storage")
-                add(f"daemon warm from resident copy, {world} rank(s): rank {r} -> {gpu}", rates[1:],
-                    f"warm/cold time {rates[0] / statistics.median(rates[1:]):.3f}")
+                add(
+                    f"daemon warm from resident copy, {world} rank(s): rank {r} -> {gpu}",
+                    rates[1:],
+                    f"warm/cold time {rates[0] / statistics.median(rates[1:]):.3f}",
+                )
             print(f"  retention, {world} rank(s): {stats.resident.resident_bytes_served / GB:.2f} GB served from memory, "
                   f"{stats.bytes_read / GB:.2f} GB read from storage", flush=True)  # fmt: skip
 
@@ -378,8 +408,17 @@ def main(argv: list[str] | None = None) -> None:
         m = statistics.median(rates)
         print(f"{name:<{width}}  {m:>6.2f}  {min(rates):>6.2f}  {max(rates):>6.2f}  {m / ceiling_rate:>8.2f}")
     if args.json:
-        args.json.write_text(json.dumps({"machine": machine(), "bytes": nbytes, "checkpoint_bytes": total,
-                                         "rows": [{"path": n, "gbps": r, "note": note} for n, r, note in rows]}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "machine": machine(),
+                    "bytes": nbytes,
+                    "checkpoint_bytes": total,
+                    "rows": [{"path": n, "gbps": r, "note": note} for n, r, note in rows],
+                },
+                indent=2,
+            )
+        )
 
 
 if __name__ == "__main__":

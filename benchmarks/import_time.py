@@ -30,7 +30,18 @@ import tempfile
 from pathlib import Path
 
 OURS = ("streamer_client", "streamer_service")
-HEAVY = ("pydantic", "pydantic_settings", "pydantic_core", "fastapi", "starlette", "uvicorn", "boto3", "botocore", "google.cloud", "azure")
+HEAVY = (
+    "pydantic",
+    "pydantic_settings",
+    "pydantic_core",
+    "fastapi",
+    "starlette",
+    "uvicorn",
+    "boto3",
+    "botocore",
+    "google.cloud",
+    "azure",
+)
 MARK = "_import_time_mark"  # an empty module imported just before streamer_client: the line after which imports count
 
 RUN = """
@@ -104,7 +115,9 @@ def main() -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--paths", default="in-process,daemon")
     parser.add_argument("--top", type=int, default=20, help="rows of our modules per path")
-    parser.add_argument("--baseline", type=Path, help="another checkout (git worktree add /tmp/base main): the same rows, same run")
+    parser.add_argument(
+        "--baseline", type=Path, help="another checkout (git worktree add /tmp/base main): the same rows, same run"
+    )
     args = parser.parse_args()
     paths = args.paths.split(",")
     if not set(paths) <= {"in-process", "daemon"}:
@@ -140,9 +153,13 @@ def main() -> int:
                         daemon.close()
                 summaries[path + label] = report(path + label, *measured, args.top)
 
-    print(f"\nImports of a first load on {args.device}, beyond torch, numpy and httpx (median ms; python {sys.version.split()[0]}, {os.cpu_count()} CPUs)")
-    print("| path | ours (self) | our modules | other modules (self) | largest others | all | `import torch` | ours ÷ torch "
-          "| all ÷ baseline's | heavy imported |")
+    print(
+        f"\nImports of a first load on {args.device}, beyond torch, numpy and httpx (median ms; python {sys.version.split()[0]}, {os.cpu_count()} CPUs)"
+    )
+    print(
+        "| path | ours (self) | our modules | other modules (self) | largest others | all | `import torch` | ours ÷ torch "
+        "| all ÷ baseline's | heavy imported |"
+    )
     print("| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- |")
     for name, s in summaries.items():
         base = summaries.get(f"{name} (baseline)")

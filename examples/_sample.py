@@ -42,7 +42,7 @@ def tiny_llama_for_engines(directory: str | Path, seed: int = 0) -> Path:
     GenerationConfig(bos_token_id=1, eos_token_id=2, top_k=7, do_sample=True).save_pretrained(directory)
     words = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(
-        tokenizer_object=words, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
-    ).save_pretrained(directory)
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(
+        directory
+    )
     return Path(directory)

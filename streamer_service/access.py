@@ -41,8 +41,10 @@ def check_shared_access(settings: Settings) -> None:
     only what ``--allow`` names: without it, any of them could have it read any path it can."""
     if settings.allow:
         return
-    who = "--group-access lets every member of the daemon's group" if settings.group_access else (
-        "--tcp-port lets every local process that has the token"
+    who = (
+        "--group-access lets every member of the daemon's group"
+        if settings.group_access
+        else ("--tcp-port lets every local process that has the token")
     )
     if settings.group_access or settings.tcp_port is not None:
         raise ConfigError(

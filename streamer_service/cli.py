@@ -45,7 +45,9 @@ def cmd_pull(args: argparse.Namespace) -> int:
     # A CLI invocation is its own launch unless one is configured: `pull --force`
     # typed twice in one shell re-downloads twice (docs/metadata-cache.md).
     launch = resolve_launch_id(settings, args.launch_id, fallback=f"cli-{os.getpid()}")
-    path = MetadataCache(settings, progress=logs.progress_mode(args.progress)).pull(args.uri, force=True if args.force else None, launch_id=launch)
+    path = MetadataCache(settings, progress=logs.progress_mode(args.progress)).pull(
+        args.uri, force=True if args.force else None, launch_id=launch
+    )
     print(path)
     return EXIT_OK
 
@@ -133,14 +135,26 @@ def build_parser() -> argparse.ArgumentParser:
         prog="streamer-service",
         description="Object-storage checkpoint streaming with node-local shared-memory fan-out.",
     )
-    parser.add_argument("--version", action=_Version, help="print the versions of streamer-service, its client and Run:ai, and exit")
+    parser.add_argument(
+        "--version", action=_Version, help="print the versions of streamer-service, its client and Run:ai, and exit"
+    )
     parser.add_argument("--log-level", help="DEBUG, INFO (default), WARNING, ERROR (STREAMER_LOG_LEVEL)")
     parser.add_argument("--log-format", choices=["text", "json"], help="text (default) or json lines (STREAMER_LOG_FORMAT)")
     bars = parser.add_mutually_exclusive_group()
-    bars.add_argument("--progress", action="store_const", const="on", dest="progress",
-                      help="draw progress bars on stderr even when it is not a terminal (STREAMER_PROGRESS=on)")
-    bars.add_argument("--no-progress", action="store_const", const="off", dest="progress",
-                      help="no progress bars (STREAMER_PROGRESS=off); default: only on a terminal")
+    bars.add_argument(
+        "--progress",
+        action="store_const",
+        const="on",
+        dest="progress",
+        help="draw progress bars on stderr even when it is not a terminal (STREAMER_PROGRESS=on)",
+    )
+    bars.add_argument(
+        "--no-progress",
+        action="store_const",
+        const="off",
+        dest="progress",
+        help="no progress bars (STREAMER_PROGRESS=off); default: only on a terminal",
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     pull = sub.add_parser("pull", help="pull a checkpoint's config, tokenizer and code into the node cache")
@@ -162,22 +176,41 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shm-dir", help="shared-memory dir shared with the ranks (STREAMER_SHM_DIR)")
     serve.add_argument("--shm-budget", help="most shared memory in use, e.g. 16GiB (STREAMER_SHM_BUDGET)")
     serve.add_argument(
-        "--retention-budget", help="shared memory kept for reloads after a load, e.g. 64GiB (STREAMER_RETENTION_BUDGET; default 0: off)"
+        "--retention-budget",
+        help="shared memory kept for reloads after a load, e.g. 64GiB (STREAMER_RETENTION_BUDGET; default 0: off)",
     )
-    serve.add_argument("--target-gbps", type=int, metavar="GBITS",
-                       help="the node NIC's rate: Run:ai's read parallelism and the bytes in flight (STREAMER_TARGET_GBPS; default 100)")
-    serve.add_argument("--allow", action="append", default=[], metavar="PREFIX", help="URI prefix the daemon may read (repeatable; STREAMER_ALLOW, commas or spaces between prefixes); "
-                       "required with --group-access or --tcp-port")
+    serve.add_argument(
+        "--target-gbps",
+        type=int,
+        metavar="GBITS",
+        help="the node NIC's rate: Run:ai's read parallelism and the bytes in flight (STREAMER_TARGET_GBPS; default 100)",
+    )
+    serve.add_argument(
+        "--allow",
+        action="append",
+        default=[],
+        metavar="PREFIX",
+        help="URI prefix the daemon may read (repeatable; STREAMER_ALLOW, commas or spaces between prefixes); "
+        "required with --group-access or --tcp-port",
+    )
     serve.add_argument("--group-access", action="store_true", help="socket 0660 and segments 0640 (STREAMER_GROUP_ACCESS)")
     serve.add_argument("--tcp-port", type=int, help="also listen on 127.0.0.1:PORT; needs STREAMER_TOKEN (STREAMER_TCP_PORT)")
-    serve.add_argument("--metrics-port", type=int, metavar="PORT",
-                       help="serve read-only /metrics and /healthz on PORT for Prometheus and probes (STREAMER_METRICS_PORT; default: off)")
-    serve.add_argument("--metrics-host", metavar="ADDR", help="address of the metrics listener (STREAMER_METRICS_HOST; default 0.0.0.0)")
+    serve.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve read-only /metrics and /healthz on PORT for Prometheus and probes (STREAMER_METRICS_PORT; default: off)",
+    )
+    serve.add_argument(
+        "--metrics-host", metavar="ADDR", help="address of the metrics listener (STREAMER_METRICS_HOST; default 0.0.0.0)"
+    )
     serve.set_defaults(run=cmd_serve)
 
     health = sub.add_parser("health", help="ask the daemon whether it is up (exit 0) or ready (--ready)")
     health.add_argument("--socket", help=f"the daemon's unix socket (STREAMER_SOCKET; default {DEFAULT_SOCKET})")
-    health.add_argument("--ready", action="store_true", help="ask /readyz (the daemon takes sessions) instead of /healthz (it is up)")
+    health.add_argument(
+        "--ready", action="store_true", help="ask /readyz (the daemon takes sessions) instead of /healthz (it is up)"
+    )
     health.add_argument("--json", action="store_true", help="print the daemon's whole answer as one JSON object")
     health.set_defaults(run=cmd_health)
 
@@ -256,9 +289,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return args.run(args)
     except SettingsError as exc:  # a bad flag value: a usage error, like a bad variable
-        return _error(f"streamer-service {args.command}: error: {exc}", EXIT_USAGE, json_lines=json_lines, command=args.command, exc=exc)
+        return _error(
+            f"streamer-service {args.command}: error: {exc}", EXIT_USAGE, json_lines=json_lines, command=args.command, exc=exc
+        )
     except StreamerError as exc:
-        return _error(f"streamer-service {args.command}: error: {exc}", EXIT_ERROR, json_lines=json_lines, command=args.command, exc=exc)
+        return _error(
+            f"streamer-service {args.command}: error: {exc}", EXIT_ERROR, json_lines=json_lines, command=args.command, exc=exc
+        )
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
 

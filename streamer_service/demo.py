@@ -252,7 +252,11 @@ class _Phases:
         last = max(results, key=lambda r: r.done_at)
         who = f"rank {last.rank}, the last to finish"
         self.lap("rank start-up", f"{len(results)} interpreters spawned, torch and the client imported; {who}", last.started_at)
-        self.lap("join", "the daemon opens the checkpoint, every rank joins" if daemon else "the rank plans its own load", last.joined_at)
+        self.lap(
+            "join",
+            "the daemon opens the checkpoint, every rank joins" if daemon else "the rank plans its own load",
+            last.joined_at,
+        )
         self.lap("stream", f"{who}; each rank's own below", last.streamed_at)
         self.lap("verify", f"against {verified_by}", last.done_at)
         self.lap("rank exit", "until every rank process had exited")
@@ -275,10 +279,7 @@ def _run_ranks(uri: str, truth_dir: str | None, selections: list[list[str]], lau
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     world = len(selections)
-    procs = [
-        ctx.Process(target=_rank_main, args=(uri, truth_dir, r, world, selections[r], launch, queue))
-        for r in range(world)
-    ]
+    procs = [ctx.Process(target=_rank_main, args=(uri, truth_dir, r, world, selections[r], launch, queue)) for r in range(world)]
     for p in procs:
         p.start()
     results = []

@@ -13,6 +13,7 @@ from pathlib import Path
 
 __all__ = ["SampleShape", "build_sample", "rank_selection", "sample_shape"]
 
+
 @dataclass(frozen=True)
 class SampleShape:
     layers: int

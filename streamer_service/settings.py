@@ -44,7 +44,6 @@ __all__ = [
 _BY_VARIABLE = {name: row for row in SETTINGS for name in row.env}
 
 
-
 @functools.cache
 def settings_model() -> type[BaseSettings]:
     """The pydantic-settings model of the table: per field its type, its default, its variables

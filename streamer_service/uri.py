@@ -125,8 +125,7 @@ def parse_uri(uri: str | os.PathLike, *, resolve: bool = True) -> StorageURI:
         scheme = Scheme(scheme_text)
     except ValueError:
         raise InvalidURIError(
-            f"unsupported URI scheme {scheme_text + '://'!r} in {uri!r}: "
-            "use s3://, gs://, az:// or a local directory",
+            f"unsupported URI scheme {scheme_text + '://'!r} in {uri!r}: use s3://, gs://, az:// or a local directory",
             uri=uri,
         ) from None
     if scheme is Scheme.LOCAL:  # pragma: no cover - 'file' handled above
@@ -140,8 +139,7 @@ def parse_uri(uri: str | os.PathLike, *, resolve: bool = True) -> StorageURI:
         raise InvalidURIError(f"checkpoint URI {uri!r} names no {bucket_word(scheme)}", uri=uri)
     if not bucket.isascii() or not _BUCKET_RE.match(bucket) or ".." in bucket:
         raise InvalidURIError(
-            f"invalid {bucket_word(scheme)} name {bucket!r} in {uri!r} "
-            "(3-222 characters of a-z, 0-9, '.', '-', '_')",
+            f"invalid {bucket_word(scheme)} name {bucket!r} in {uri!r} (3-222 characters of a-z, 0-9, '.', '-', '_')",
             uri=uri,
         )
     parts = [p for p in prefix.split("/") if p]

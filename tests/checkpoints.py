@@ -139,11 +139,7 @@ class DirStorage(Storage):
         return ObjectInfo(name=name, size=st.st_size, etag=f"{st.st_mtime_ns}-{st.st_size}")
 
     def list_objects(self) -> list[ObjectInfo]:
-        found = [
-            self._info(path.relative_to(self.root).as_posix(), path)
-            for path in self.root.rglob("*")
-            if path.is_file()
-        ]
+        found = [self._info(path.relative_to(self.root).as_posix(), path) for path in self.root.rglob("*") if path.is_file()]
         return sorted(found, key=lambda o: o.name)
 
     def download(self, obj: ObjectInfo, dest: BinaryIO) -> int:

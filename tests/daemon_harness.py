@@ -116,6 +116,7 @@ class DaemonProcess:
     def finished(self, count: int = 1, timeout: float = 60) -> list[dict]:
         """Summaries of the ended sessions, newest last, once at least ``count`` have ended: a rank
         can exit before the daemon's session thread has filed its session."""
+
         def ended() -> list[dict] | None:
             summaries = self.stats()["finished"]
             return summaries if len(summaries) >= count else None
@@ -193,7 +194,11 @@ def leftovers(d: DaemonProcess, cache_dir: Path, timeout: float = 10) -> tuple[l
     shm = sorted(p.name for p in shm_dir.iterdir())
     half = sorted(p.name for p in cache_dir.glob(".*") if p.name.startswith((".tmp-", ".old-"))) if cache_dir.exists() else []
     if cache_dir.exists():
-        half += sorted(p.name for p in cache_dir.iterdir() if p.is_dir() and not (p / ".runai_complete").exists() and not p.name.startswith("."))
+        half += sorted(
+            p.name
+            for p in cache_dir.iterdir()
+            if p.is_dir() and not (p / ".runai_complete").exists() and not p.name.startswith(".")
+        )
     return shm, half
 
 

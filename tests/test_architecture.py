@@ -21,13 +21,23 @@ ROOTS = {"streamer_service": ROOT / "streamer_service", "streamer_client": ROOT 
 # client); parts of one rank do not import each other. A new package or top-level module gets a
 # row here and in docs/architecture.md.
 LAYERS = {
-    "sizing": 0, "uri": 0, "settings": 1, "logs": 2, "access": 2,  # the foundation: modules
-    "storage": 3, "readers": 3,
+    "sizing": 0,
+    "uri": 0,
+    "settings": 1,
+    "logs": 2,
+    "access": 2,  # the foundation: modules
+    "storage": 3,
+    "readers": 3,
     "metadata": 4,
     "checkpoint": 5,
     "load": 6,
-    "embedded": 7, "daemon": 7,
-    "sample": 8, "demo": 9, "bench": 9, "cli": 10, "__main__": 11,  # the tools
+    "embedded": 7,
+    "daemon": 7,
+    "sample": 8,
+    "demo": 9,
+    "bench": 9,
+    "cli": 10,
+    "__main__": 11,  # the tools
 }
 MAX_LINES = 450
 
@@ -152,7 +162,13 @@ def test_no_part_imports_a_higher_one_or_its_sibling():
 def test_the_client_does_not_import_the_service():
     """The client finds its in-process backend through the entry point group
     ``streamer_client.backends`` (streamer_client/in_process.py), never by importing the service."""
-    wrong = [f"{m} -> {t}" for m, ts in GRAPH.items() if m.startswith("streamer_client") for t in ts if t.startswith("streamer_service")]
+    wrong = [
+        f"{m} -> {t}"
+        for m, ts in GRAPH.items()
+        if m.startswith("streamer_client")
+        for t in ts
+        if t.startswith("streamer_service")
+    ]
     assert wrong == []
 
 
@@ -226,7 +242,9 @@ def test_no_history_in_the_package_code():
 
 
 # A path into the repository, as comments and docstrings write them.
-_PATH = re.compile(r"(?<![\w./-])((?:docs|tests|benchmarks|scripts|examples|deploy|client|streamer_service|streamer_client)/[\w./-]*\w)")
+_PATH = re.compile(
+    r"(?<![\w./-])((?:docs|tests|benchmarks|scripts|examples|deploy|client|streamer_service|streamer_client)/[\w./-]*\w)"
+)
 # A dotted name of ours.
 _DOTTED = re.compile(r"(?<![\w.])((?:streamer_service|streamer_client)(?:\.\w+)+)")
 
@@ -252,7 +270,11 @@ def _resolves(dotted: str) -> bool:
         module = ".".join(parts[:cut])
         if module in MODULES:
             rest = parts[cut:]
-            return not rest or _defines(module, rest[0]) or (MODULES[module].name == "__init__.py" and module + "." + rest[0] in MODULES)
+            return (
+                not rest
+                or _defines(module, rest[0])
+                or (MODULES[module].name == "__init__.py" and module + "." + rest[0] in MODULES)
+            )
     return False
 
 
@@ -268,7 +290,11 @@ def test_every_file_and_module_the_code_names_exists(path):
 
 
 # docs/benchmarks.md is a log: it names the files of the run it reports, as they were then.
-DOCS = [ROOT / "README.md", ROOT / "client" / "README.md", *(p for p in sorted((ROOT / "docs").glob("*.md")) if p.name != "benchmarks.md")]
+DOCS = [
+    ROOT / "README.md",
+    ROOT / "client" / "README.md",
+    *(p for p in sorted((ROOT / "docs").glob("*.md")) if p.name != "benchmarks.md"),
+]
 
 
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))

@@ -204,6 +204,7 @@ def test_the_namespace_leaves_the_machine_unchanged(azure_tls_service):
 
 # ----------------------------------------------------- the two ways to configure an account
 
+
 # The service's listing and Run:ai must agree on the endpoint given only the account variables,
 # and a connection string alone (which Run:ai ignores) is refused before any read.
 def test_azure_account_key_without_connection_string(azure_tls, checkpoint):
@@ -221,9 +222,7 @@ def test_azure_account_key_without_connection_string(azure_tls, checkpoint):
 def test_azure_connection_string_only_loads_or_is_refused_up_front(azure_tls, checkpoint):
     files, truth = checkpoint
     uri = _upload(azure_tls, files)
-    env = _env_without(
-        azure_tls, "AZURE_STORAGE_ACCOUNT_NAME", "AZURE_STORAGE_ACCOUNT_KEY", "AZURE_STORAGE_ENDPOINT_SUFFIX"
-    )
+    env = _env_without(azure_tls, "AZURE_STORAGE_ACCOUNT_NAME", "AZURE_STORAGE_ACCOUNT_KEY", "AZURE_STORAGE_ENDPOINT_SUFFIX")
 
     out = _result(azure_tls.python(SCRIPT, "load", uri, env=env, timeout=120))
 

@@ -131,7 +131,10 @@ def test_api_misuse_is_a_clear_error(sample, daemon, tmp_path):
         # A rank outside the world.
         assert "outside world_size 2" in _error(_join(c, uri, session="w", rank=2, world_size=2), 409, "SessionError")["message"]
         # Unknown session ids, and a rank that is not part of a session.
-        assert "unknown or finished session 'nope'" in _error(c.post("/v1/sessions/nope/ranks/0/next", json={}), 409, "SessionError")["message"]
+        assert (
+            "unknown or finished session 'nope'"
+            in _error(c.post("/v1/sessions/nope/ranks/0/next", json={}), 409, "SessionError")["message"]
+        )
         assert c.post("/v1/sessions/nope/ranks/0/leave").json() == {"left": False}
         # Oversized bodies are refused before they are read.
         big = b'{"uri": "' + b"x" * MAX_BODY_BYTES + b'"}'
@@ -156,7 +159,10 @@ def test_api_misuse_is_a_clear_error(sample, daemon, tmp_path):
         waiting.start()
         wait_until(lambda: any(s["key"] == "pair" for s in daemon.stats()["sessions"]))
         # ... a second rank 0, and a rank with another world_size, are refused; the session goes on.
-        assert "rank 0 already joined session 'pair'" in _error(_join(c, uri, session="pair", world_size=2), 409, "SessionError")["message"]
+        assert (
+            "rank 0 already joined session 'pair'"
+            in _error(_join(c, uri, session="pair", world_size=2), 409, "SessionError")["message"]
+        )
         error = _error(_join(c, uri, session="pair", rank=1, world_size=3), 409, "SessionError")
         assert "world_size 3" in error["message"] and "world_size 2" in error["message"]
         second = _join(c, uri, session="pair", rank=1, world_size=2)
@@ -180,9 +186,9 @@ def test_api_misuse_is_a_clear_error(sample, daemon, tmp_path):
         assert again.status_code == 200, again.text
         rejoin_id = again.json()["session_id"]
         assert rejoin_id != session_id
-        ended = wait_until(lambda: next((s for s in daemon.stats()["finished"] if s["id"] == session_id), None), what="the first session's end")
+        ended = wait_until(
+            lambda: next((s for s in daemon.stats()["finished"] if s["id"] == session_id), None), what="the first session's end"
+        )
         assert [ended["ranks"][r]["status"] for r in ("0", "1")] == ["reclaimed", "done"]
         assert c.post(f"/v1/sessions/{rejoin_id}/ranks/0/leave").json() == {"left": True}
     _still_fine(daemon, tmp_path / "cache")
-
-

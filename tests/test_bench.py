@@ -101,7 +101,18 @@ def test_quick_mode_completes_byte_exact_and_reads_less_through_the_daemon(tmp_p
     assert "| source | scenario | N | contender |" in result.stdout
 
     report = json.loads(out.read_text())
-    assert set(report) >= {"machine", "config", "summary", "ratios", "runs", "ok", "verified", "missed_targets", "loadavg_before", "loadavg_after"}
+    assert set(report) >= {
+        "machine",
+        "config",
+        "summary",
+        "ratios",
+        "runs",
+        "ok",
+        "verified",
+        "missed_targets",
+        "loadavg_before",
+        "loadavg_after",
+    }
     assert report["verified"] is True, result.stdout[-3000:] + result.stderr[-3000:]
     # The verdict is the targets' (speed on this loaded machine is whatever it is): exit 1 naming
     # each row that missed its own target, exit 0 and OK only when none did.
@@ -200,7 +211,9 @@ def test_azurite_over_https_behind_the_latency_proxy_is_read_exactly(tmp_path):
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "azure_bench.py"
     args = ["--size", "8MB", "--ranks", "2", "--scenarios", "replicated", "--modes", "A,B", "--reps", "1", "--warmup", "0",
             "--full-check", "--latency-ms", "30", "--json", str(out), "--work-dir", str(tmp_path / "work")]  # fmt: skip
-    proc = subprocess.Popen([sys.executable, str(script), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         stdout, stderr = proc.communicate(timeout=600)
     except subprocess.TimeoutExpired:

@@ -164,7 +164,11 @@ def test_duplicate_tensor_across_shards_with_index(tmp_path: Path) -> None:
     save_file({"x": torch.zeros(2), "z": torch.ones(1)}, str(tmp_path / "s2.safetensors"))
     write_index(tmp_path, {"x": "s1.safetensors", "y": "s1.safetensors", "z": "s2.safetensors"})
     catalog = build_catalog(DirStorage(tmp_path))  # the index says where x is: the copy in s2 is left out
-    assert sorted((t.name, t.file) for t in catalog) == [("x", "s1.safetensors"), ("y", "s1.safetensors"), ("z", "s2.safetensors")]
+    assert sorted((t.name, t.file) for t in catalog) == [
+        ("x", "s1.safetensors"),
+        ("y", "s1.safetensors"),
+        ("z", "s2.safetensors"),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -282,7 +286,9 @@ def test_no_safetensors_at_all(tmp_path: Path) -> None:
 
 def test_corrupt_shard_header_names_file(tmp_path: Path) -> None:
     make_sharded_checkpoint(tmp_path, many_small_tensors(4), n_shards=2, with_index=False)
-    write_raw_safetensors(tmp_path / shard_name(2, 2), {"layers.2.weight": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 4)
+    write_raw_safetensors(
+        tmp_path / shard_name(2, 2), {"layers.2.weight": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 4
+    )
     with pytest.raises(HeaderError) as info:
         build_catalog(DirStorage(tmp_path))
     assert shard_name(2, 2) in str(info.value) and "'layers.2.weight'" in str(info.value)
@@ -380,7 +386,9 @@ def test_fingerprint() -> None:
 
 
 def test_format_table(tmp_path: Path) -> None:
-    save_file({"embed.weight": torch.ones(4, 2, dtype=torch.bfloat16), "bad\nname": torch.ones(1)}, str(tmp_path / "model.safetensors"))
+    save_file(
+        {"embed.weight": torch.ones(4, 2, dtype=torch.bfloat16), "bad\nname": torch.ones(1)}, str(tmp_path / "model.safetensors")
+    )
     catalog = build_catalog(DirStorage(tmp_path))
     lines = format_table(catalog).splitlines()
     assert lines[0].split() == ["NAME", "DTYPE", "SHAPE", "FILE", "OFFSET", "NBYTES"]

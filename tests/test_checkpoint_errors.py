@@ -56,7 +56,10 @@ def _duplicate_json_key(tmp_path) -> dict[str, bytes]:
 
 
 def _overlapping_offsets(tmp_path) -> dict[str, bytes]:
-    header = {"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}
+    header = {
+        "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+        "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+    }
     return {"model.safetensors": write_raw_safetensors(tmp_path / "overlap.safetensors", header, b"\0" * 12).read_bytes()}
 
 
@@ -102,7 +105,11 @@ def test_a_tensor_in_two_shards_is_taken_from_the_shard_the_index_names_and_said
         first = _open(str(src))
         _open(str(src))  # the cached catalog: nothing said again
         got = streamer_client.load_state_dict(str(src))
-    assert sorted((t.name, t.file) for t in first.catalog) == [("x", "s2.safetensors"), ("y", "s1.safetensors"), ("z", "s2.safetensors")]
+    assert sorted((t.name, t.file) for t in first.catalog) == [
+        ("x", "s2.safetensors"),
+        ("y", "s1.safetensors"),
+        ("z", "s2.safetensors"),
+    ]
     assert torch.equal(got["x"], torch.full((2,), 2.0)) and set(got) == {"x", "y", "z"}
     said = [r.getMessage() for r in caplog.records if "more than one shard" in r.getMessage()]
     assert said == [

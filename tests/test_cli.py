@@ -156,7 +156,10 @@ def test_health_json_reports_readiness_and_read_parallelism(daemon):
         "RUNAI_STREAMER_OBJ_CONCURRENCY": {"value": "32", "source": "settings"},
         "RUNAI_STREAMER_S3_TARGET_GBPS": {"value": "32", "source": "target_gbps=400"},
         "RUNAI_STREAMER_CHUNK_BYTESIZE": {"value": str(16 * 1024**2), "source": "target_gbps=400"},
-        "bytes_in_flight": {"value": str(in_flight_bytes(400, slot_bytes(budget, 256 * 1024**2), budget)), "source": "target_gbps=400"},
+        "bytes_in_flight": {
+            "value": str(in_flight_bytes(400, slot_bytes(budget, 256 * 1024**2), budget)),
+            "source": "target_gbps=400",
+        },
     }
     assert reply["local_reader"] == "mapped"  # the copier is built here (tests/test_mapped.py)
     log = d.log.read_text()
@@ -201,8 +204,16 @@ def _serve(tmp_path, *args, env=None):
     "args, env, message",
     [
         (["--shm-dir", "/nonexistent"], {}, "--shm-dir / STREAMER_SHM_DIR /nonexistent is not a directory"),
-        (["--allow", "bogus://x"], {}, "--allow / STREAMER_ALLOW prefix 'bogus://x' is not a URI this daemon can read: unsupported URI scheme"),
-        (["--allow", "s3:/x"], {}, "--allow / STREAMER_ALLOW prefix 's3:/x' is not a URI this daemon can read: checkpoint directory 's3:/x' does not exist"),
+        (
+            ["--allow", "bogus://x"],
+            {},
+            "--allow / STREAMER_ALLOW prefix 'bogus://x' is not a URI this daemon can read: unsupported URI scheme",
+        ),
+        (
+            ["--allow", "s3:/x"],
+            {},
+            "--allow / STREAMER_ALLOW prefix 's3:/x' is not a URI this daemon can read: checkpoint directory 's3:/x' does not exist",
+        ),
         ([], {"STREAMER_SHM_BUDGET": "lots"}, "STREAMER_SHM_BUDGET='lots': "),
         (["--shm-budget", "1"], {}, "STREAMER_SHM_BUDGET='1': a budget of 1 bytes is below one slot (65536 bytes = 64KiB)"),
         ([], {"STREAMER_ALLOW": "s3://okay/m, hdfs://nn/m"}, "prefix 'hdfs://nn/m' is not a URI this daemon can read"),
@@ -279,7 +290,9 @@ def test_health_errors_are_error_lines(tmp_path):
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run serve as another user (setpriv)")
-@pytest.mark.parametrize("socket_path", ["run/streamer/daemon.sock", "run/daemon.sock"], ids=["dir-it-cannot-make", "dir-it-cannot-write"])
+@pytest.mark.parametrize(
+    "socket_path", ["run/streamer/daemon.sock", "run/daemon.sock"], ids=["dir-it-cannot-make", "dir-it-cannot-write"]
+)
 def test_serve_on_a_socket_dir_it_cannot_write_is_one_error_line_exit_2(socket_path):
     """As a user that cannot write there (the default /run/streamer as non-root)."""
     import shutil

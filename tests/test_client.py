@@ -18,11 +18,7 @@ from streamer_client.errors import CheckpointError, ConfigError, DaemonError, Se
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return (
-        a.dtype == b.dtype
-        and a.shape == b.shape
-        and tensor_bytes(a) == tensor_bytes(b)
-    )
+    return a.dtype == b.dtype and a.shape == b.shape and tensor_bytes(a) == tensor_bytes(b)
 
 
 @pytest.fixture
@@ -149,7 +145,9 @@ print("ok")
 
 def test_unreachable_daemon_falls_back_in_process_and_says_so_once(checkpoint, tmp_path):
     env = {**os.environ, "STREAMER_SOCKET": str(tmp_path / "nobody.sock")}
-    result = subprocess.run([sys.executable, "-c", FALLBACK, str(checkpoint)], env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", FALLBACK, str(checkpoint)], env=env, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "ok"
     said = [line for line in result.stderr.splitlines() if "no streamer daemon answers at" in line]
@@ -176,7 +174,9 @@ def test_a_listing_cached_mid_upload_is_listed_again_once_the_upload_finished(ba
 
 
 def test_require_daemon_fails_instead_of_reading_storage(checkpoint, tmp_path, monkeypatch):
-    with pytest.raises(DaemonError, match=r"no streamer daemon answers at /run/streamer/daemon.sock, and STREAMER_REQUIRE_DAEMON=1"):
+    with pytest.raises(
+        DaemonError, match=r"no streamer daemon answers at /run/streamer/daemon.sock, and STREAMER_REQUIRE_DAEMON=1"
+    ):
         streamer_client.stream(checkpoint, require_daemon=True)
     monkeypatch.setenv("STREAMER_REQUIRE_DAEMON", "1")
     monkeypatch.setenv("STREAMER_SOCKET", str(tmp_path / "nobody.sock"))
@@ -222,7 +222,11 @@ def test_a_second_object_store_in_one_process_is_refused_up_front(checkpoint, s3
         if in_daemon:
             env["STREAMER_SOCKET"] = str(daemon(env).socket)
         result = subprocess.run(
-            [sys.executable, "-c", TWO_STORES, *(b.uri("m") for b in backends)], env=env, capture_output=True, text=True, timeout=300
+            [sys.executable, "-c", TWO_STORES, *(b.uri("m") for b in backends)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         assert result.returncode == 1
         assert (

@@ -21,9 +21,7 @@ pytestmark = pytest.mark.skipif(not copier.available(), reason="the native copie
 
 
 def _child(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120
-    )
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
 
 
 def test_copies_are_byte_exact_across_chunks_and_ranges():
@@ -82,9 +80,7 @@ def test_a_file_cut_short_under_its_mapping_is_the_failed_copy_s_index(tmp_path)
         os.truncate(path, copier.CHUNK_BYTES)  # the mapping's last two chunks are past the end now
         dst = np.zeros_like(data)
         head = copier.CHUNK_BYTES // 2
-        failed = copier.copy(
-            [dst.ctypes.data, dst.ctypes.data + head], [address, address + head], [head, data.nbytes - head]
-        )
+        failed = copier.copy([dst.ctypes.data, dst.ctypes.data + head], [address, address + head], [head, data.nbytes - head])
         assert failed == 1  # the second copy ran into the cut; the process lives
         assert np.array_equal(dst[:head], data[:head])
     finally:
@@ -97,7 +93,5 @@ def test_the_signal_handler_s_thread_local_needs_no_dynamic_tls_lookup():
     # thread's first access: not async-signal-safe. Initial-exec TLS is a fixed offset.
     import streamer_client._copier as module
 
-    symbols = subprocess.run(
-        ["nm", "-D", "--undefined-only", module.__file__], capture_output=True, text=True, check=True
-    ).stdout
+    symbols = subprocess.run(["nm", "-D", "--undefined-only", module.__file__], capture_output=True, text=True, check=True).stdout
     assert "__tls_get_addr" not in symbols

@@ -1,4 +1,4 @@
-"""Pinned host -> GPU copies (streamer_client.cuda) and the engine's device path (DESIGN.md 3.5).
+"""Pinned host -> GPU copies (streamer_client.cuda) and the engine's device path (docs/architecture.md, "Data-path rules").
 
 The first part runs anywhere: registration bookkeeping, the one-warning fallback and the release
 queue, against a fake CUDA runtime. The GPU part (``-m gpu``; skipped without CUDA) checks every
@@ -635,7 +635,11 @@ def _run_ranks(directory: Path, devices: list[str]) -> list[str]:
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", _RANK_SCRIPT, str(directory), device, str(rank)],
-            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env=env,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         for rank, device in enumerate(devices)
     ]

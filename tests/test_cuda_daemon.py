@@ -74,8 +74,13 @@ def test_daemon_ranks_on_gpus_byte_exact(big_checkpoint, tmp_path, world):
     d = DaemonProcess(tmp_path, {}, "--shm-budget", "1GiB").start()
     try:
         procs = [
-            subprocess.Popen([sys.executable, "-c", RANK, str(big_checkpoint), str(r), str(world)],
-                             env=d.rank_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+            subprocess.Popen(
+                [sys.executable, "-c", RANK, str(big_checkpoint), str(r), str(world)],
+                env=d.rank_env(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )  # fmt: skip
             for r in range(world)
         ]
         results = []

@@ -260,7 +260,12 @@ def test_api_bad_input_is_a_clear_error(sample, daemon):
         assert {"/healthz", "/readyz", "/v1/stats", "/v1/metadata", "/v1/sessions/join"} <= paths
         assert {"/v1/sessions/{session_id}/ranks/{rank}/next", "/v1/sessions/{session_id}/ranks/{rank}/leave"} <= paths
     for args, word in ((["health"], "ok"), (["health", "--ready"], "ready")):
-        probe = subprocess.run([sys.executable, "-m", "streamer_service", *args, "--socket", str(d.socket)], capture_output=True, text=True, timeout=60)
+        probe = subprocess.run(
+            [sys.executable, "-m", "streamer_service", *args, "--socket", str(d.socket)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert (probe.returncode, probe.stdout.strip(), probe.stderr) == (0, word, "")
     assert list(d.shm_dir.iterdir()) == []
 
@@ -268,17 +273,25 @@ def test_api_bad_input_is_a_clear_error(sample, daemon):
 def test_pull_metadata_through_the_daemon(sample, daemon, tmp_path):
     d = daemon()
     code = "import streamer_client,sys; print(streamer_client.pull_metadata(sys.argv[1]))"
-    result = subprocess.run([sys.executable, "-c", code, str(sample)], env=d.rank_env(), capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(sample)], env=d.rank_env(), capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr
     path = Path(result.stdout.strip())
     assert (path / "config.json").is_file() and (path / ".runai_complete").is_file()
     assert "pulled 2 metadata files" in d.log.read_text()  # the daemon pulled it, not the rank
-    again = subprocess.run([sys.executable, "-c", code, str(sample)], env=d.rank_env(), capture_output=True, text=True, timeout=60)
+    again = subprocess.run(
+        [sys.executable, "-c", code, str(sample)], env=d.rank_env(), capture_output=True, text=True, timeout=60
+    )
     assert again.returncode == 0 and Path(again.stdout.strip()) == path
     # The socket as an argument, as stream() takes it; require_daemon: no in-process fallback.
     env = {k: v for k, v in d.rank_env().items() if k != "STREAMER_SOCKET"}
-    by_argument = "import streamer_client,sys; print(streamer_client.pull_metadata(sys.argv[1], socket=sys.argv[2], require_daemon=True))"
-    third = subprocess.run([sys.executable, "-c", by_argument, str(sample), str(d.socket)], env=env, capture_output=True, text=True, timeout=60)
+    by_argument = (
+        "import streamer_client,sys; print(streamer_client.pull_metadata(sys.argv[1], socket=sys.argv[2], require_daemon=True))"
+    )
+    third = subprocess.run(
+        [sys.executable, "-c", by_argument, str(sample), str(d.socket)], env=env, capture_output=True, text=True, timeout=60
+    )
     assert third.returncode == 0 and Path(third.stdout.strip()) == path, third.stderr
     metrics = _scrape(d)
     assert metrics[("streamer_metadata_pulls_total", (("result", "miss"),))] == 1
@@ -356,7 +369,9 @@ except BorrowedTensorError as exc:
 
 def test_keeping_borrowed_daemon_tensors_is_refused_not_overwritten(sample, daemon):
     d = daemon({"STREAMER_SLOT_SIZE": "2MiB"}, "--shm-budget", "8MiB")
-    result = subprocess.run([sys.executable, "-c", KEEP_BORROWED, str(sample)], env=d.rank_env(), capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", KEEP_BORROWED, str(sample)], env=d.rank_env(), capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "refused:" in result.stdout and "borrowed=True tensor is valid only until the next item" in result.stdout
     deadline = time.monotonic() + 1.5  # well inside the 2 s rank timeout these daemons use

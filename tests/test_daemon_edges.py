@@ -40,8 +40,6 @@ def _tensor_bytes_served(backend) -> int:
     return total
 
 
-
-
 # A rank that takes TAKE tensors, closes its iterator (it leaves) and stays alive until stdin closes.
 LEAVE_EARLY = textwrap.dedent(
     """

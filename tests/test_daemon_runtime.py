@@ -102,7 +102,10 @@ def test_a_reaper_that_stops_makes_the_daemon_not_ready_and_says_why(tmp_path, c
     from streamer_service.settings import Settings
 
     app = create_app(Settings(segment_idle_s=0))
-    with caplog.at_level(logging.CRITICAL, logger="streamer_service.daemon.core"), TestClient(app, client=("", 0)) as c:  # as over the unix socket
+    with (
+        caplog.at_level(logging.CRITICAL, logger="streamer_service.daemon.core"),
+        TestClient(app, client=("", 0)) as c,
+    ):  # as over the unix socket
         assert c.get("/readyz").status_code == 200
         daemon = app.state.daemon
 

@@ -60,8 +60,7 @@ def test_a_budget_through_a_daemon_says_the_daemon_s_budget_applies(sample, daem
         got = streamer_client.load_state_dict(sample, socket=d.socket, budget="256KiB")
     said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert said == [
-        f"budget= applies to in-process loads only; the daemon at {d.socket} loads with its own "
-        "(serve --shm-budget, --cache-dir)"
+        f"budget= applies to in-process loads only; the daemon at {d.socket} loads with its own (serve --shm-budget, --cache-dir)"
     ]
     _assert_equal(got, ground_truth(sample))
 

@@ -57,7 +57,9 @@ def test_the_demo_s_wall_time_is_its_phases(tmp_path, mode):
         want.remove("daemon start")
     assert list(phases) == want
     _adds_up(total, phases)
-    assert phases["join"][1] == ("the daemon opens the checkpoint, every rank joins" if mode == "daemon" else "the rank plans its own load")
+    assert phases["join"][1] == (
+        "the daemon opens the checkpoint, every rank joins" if mode == "daemon" else "the rank plans its own load"
+    )
     assert phases["verify"][1] == "against safetensors"
     assert phases["stream"][1].endswith("the last to finish; each rank's own below")
 

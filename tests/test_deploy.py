@@ -284,7 +284,9 @@ def test_kustomizations_reference_every_manifest():
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
 def test_kustomize_builds():
     for kfile in sorted(DEPLOY.rglob("kustomization.yaml")):
-        result = subprocess.run(["kubectl", "kustomize", str(kfile.parent)], check=False, capture_output=True, text=True, timeout=60)
+        result = subprocess.run(
+            ["kubectl", "kustomize", str(kfile.parent)], check=False, capture_output=True, text=True, timeout=60
+        )
         assert result.returncode == 0, f"kubectl kustomize {kfile.parent}: {result.stderr}"
         assert list(yaml.safe_load_all(result.stdout))
 

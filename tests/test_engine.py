@@ -499,7 +499,8 @@ def test_process_memory_stays_within_the_budget(large_checkpoint, borrowed):
 #   process: after an S3 read every GCS read fails with "File access error", and after a GCS read
 #   the next S3 read hangs. In one pytest process that means GCS needs its own subprocess.
 # - azure: Run:ai's Azure reader always dials https://<account>.<suffix>, so it needs an Azurite
-#   behind TLS whose CA the system trusts (DESIGN.md 6); that setup is pending.
+#   behind TLS whose CA the system trusts: tests/harness/azure_tls.py sets that up for the
+#   Azure streaming tests (tests/test_backends_streaming.py).
 @pytest.mark.parametrize("backend", ["local", "s3"], indirect=True)
 def test_streams_byte_exact_from_each_backend(backend, tmp_path):
     source = tmp_path / "source"
@@ -540,7 +541,11 @@ def test_process_output_survives_a_load(small_checkpoint, tmp_path):
     env.pop("RUNAI_STREAMER_FS_STRATEGY", None)
     for _ in range(12):
         result = subprocess.run(
-            [sys.executable, "-c", PRINT_AFTER_LOAD, str(small_checkpoint[0])], capture_output=True, text=True, env=env, timeout=120
+            [sys.executable, "-c", PRINT_AFTER_LOAD, str(small_checkpoint[0])],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
         )
         assert result.returncode == 0, result.stderr[-2000:]
         assert len(result.stdout) == len(json.dumps({"x": "ab" * 1_000_000})) + 1

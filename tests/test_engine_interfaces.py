@@ -113,7 +113,9 @@ def test_engine_loaders_reject_unknown_options_by_name():
     from streamer_client.errors import ConfigError
     from streamer_client.integrations.sglang import engine_kwargs
 
-    with pytest.raises(ConfigError, match=r"engine_kwargs: unknown option 'budgett' \(known: socket, session, budget, borrowed, uri\)"):
+    with pytest.raises(
+        ConfigError, match=r"engine_kwargs: unknown option 'budgett' \(known: socket, session, budget, borrowed, uri\)"
+    ):
         engine_kwargs("s3://bucket/model", budgett="1GiB")
     with pytest.raises(ConfigError, match=r"engine_kwargs: borrowed must be true or false, got 'yes'"):
         engine_kwargs("s3://bucket/model", borrowed="yes")

@@ -59,7 +59,17 @@ def test_vllm_example_two_ranks_through_a_daemon_read_each_byte_once(llama, tmp_
     try:
         env = d.rank_env(STREAMER_LAUNCH_ID="vllm-example")
         ranks = [
-            run_example("vllm_load_weights.py", str(llama), "--rank", str(r), "--world-size", "2", "--out", str(tmp_path / f"r{r}.st"), env=env)
+            run_example(
+                "vllm_load_weights.py",
+                str(llama),
+                "--rank",
+                str(r),
+                "--world-size",
+                "2",
+                "--out",
+                str(tmp_path / f"r{r}.st"),
+                env=env,
+            )
             for r in range(2)
         ]
         outs = [finished(p) for p in ranks]
@@ -90,7 +100,9 @@ def test_vllm_example_two_ranks_through_a_daemon_read_each_byte_once(llama, tmp_
 def test_tensorrt_llm_example_last_stage_on_s3(backend, llama, tmp_path):
     backend.put_tree("llama", {p.name: p.read_bytes() for p in llama.iterdir()})
     out = tmp_path / "stage1.st"
-    stdout = finished(run_example("tensorrt_llm_groups.py", backend.uri("llama"), "--rank", "1", "--world-size", "2", "--out", str(out)))
+    stdout = finished(
+        run_example("tensorrt_llm_groups.py", backend.uri("llama"), "--rank", "1", "--world-size", "2", "--out", str(out))
+    )
     truth = ground_truth(llama)
     plan = rank_plan(sorted(truth), 2, rank=1, world_size=2)
     assert set(plan) == {"layer.1", "head"}

@@ -229,6 +229,8 @@ def test_refused_credentials_with_a_warm_cache_are_an_access_error_naming_their_
     result = finish_failed(d.start_rank(uri, 0, 1, sample, None))
     error = result["error"]
     assert error["type"] == "StorageAccessDeniedError", error
-    assert error["message"].startswith("access denied to 'ckpt/model-0000") and CREDENTIALS_NAMED[backend.name] in error["message"]
+    assert (
+        error["message"].startswith("access denied to 'ckpt/model-0000") and CREDENTIALS_NAMED[backend.name] in error["message"]
+    )
     assert result["got"] == [] and result["bad"] == []
     _clean_after(d)

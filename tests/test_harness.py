@@ -90,8 +90,15 @@ def test_backend_roundtrip_and_uri(backend):
 def test_isolated_env(tmp_path):
     assert os.environ["STREAMER_CACHE_DIR"] == str(tmp_path / "cache")
     assert os.environ["STREAMER_SHM_DIR"] == str(tmp_path / "shm")
-    for name in ("STREAMER_SOCKET", "STREAMER_LAUNCH_ID", "TORCHELASTIC_RUN_ID", "AWS_ACCESS_KEY_ID",
-                 "AWS_ENDPOINT_URL", "STORAGE_EMULATOR_HOST", "AZURE_STORAGE_CONNECTION_STRING"):
+    for name in (
+        "STREAMER_SOCKET",
+        "STREAMER_LAUNCH_ID",
+        "TORCHELASTIC_RUN_ID",
+        "AWS_ACCESS_KEY_ID",
+        "AWS_ENDPOINT_URL",
+        "STORAGE_EMULATOR_HOST",
+        "AZURE_STORAGE_CONNECTION_STRING",
+    ):
         assert name not in os.environ
 
 
@@ -160,8 +167,7 @@ def test_gcs_listed_blob_downloads_stay_on_proxy(gcs_service):
     b = gcs_service.new_backend()
     try:
         b.put("x/y.bin", b"hello")
-        client = storage.Client(project="test", credentials=AnonymousCredentials(),
-                                client_options={"api_endpoint": b.proxy.url})
+        client = storage.Client(project="test", credentials=AnonymousCredentials(), client_options={"api_endpoint": b.proxy.url})
         (listed,) = list(client.list_blobs(b.bucket))
         assert listed.download_as_bytes() == b"hello"
         got = client.bucket(b.bucket).get_blob("x/y.bin")
@@ -227,9 +233,11 @@ class _Echo(BaseHTTPRequestHandler):
     def _any(self):
         n = int(self.headers.get("Content-Length", 0))
         body = self.rfile.read(n)
-        info = (f"{self.command} {self.path} cl={self.headers.get('Content-Length')} "
-                f"te={self.headers.get('Transfer-Encoding')} host={self.headers.get('Host')} "
-                f"x={self.headers.get('X-Test')} ").encode() + body
+        info = (
+            f"{self.command} {self.path} cl={self.headers.get('Content-Length')} "
+            f"te={self.headers.get('Transfer-Encoding')} host={self.headers.get('Host')} "
+            f"x={self.headers.get('X-Test')} "
+        ).encode() + body
         self.send_response(200)
         if self.path.startswith("/chunked"):  # upstream chunked response
             self.send_header("Transfer-Encoding", "chunked")
@@ -269,8 +277,7 @@ def test_proxy_forwards_methods_bodies_and_keeps_alive(echo_proxy):
     sock = conn.sock
 
     # chunked request body → forwarded with Content-Length, same client connection
-    conn.request("POST", "/post", body=iter([b"ab", b"cde"]), encode_chunked=True,
-                 headers={"Transfer-Encoding": "chunked"})
+    conn.request("POST", "/post", body=iter([b"ab", b"cde"]), encode_chunked=True, headers={"Transfer-Encoding": "chunked"})
     body = conn.getresponse().read()
     assert b"cl=5 te=None" in body and body.endswith(b"abcde")
 

@@ -61,7 +61,13 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
 
 def test_public_names() -> None:
     assert set(header_module.__all__) == {
-        "HEADER_LEN_BYTES", "MAX_HEADER_BYTES", "METADATA_KEY", "FileHeader", "TensorInfo", "parse_header", "read_header"
+        "HEADER_LEN_BYTES",
+        "MAX_HEADER_BYTES",
+        "METADATA_KEY",
+        "FileHeader",
+        "TensorInfo",
+        "parse_header",
+        "read_header",
     }
     assert all(hasattr(header_module, name) for name in header_module.__all__)
 
@@ -170,10 +176,16 @@ BAD_HEADERS = [
     ("invalid-utf8", b'{"a\xff": 1}', b"", "UTF-8", None),
     ("invalid-json", b'{"a": {"dtype": ', b"", "not valid JSON", None),
     ("nan-constant", b'{"__metadata__": {"x": NaN}}', b"", "not valid JSON", None),
-    ("bom", b'\xef\xbb\xbf{}', b"", "not valid JSON", None),
+    ("bom", b"\xef\xbb\xbf{}", b"", "not valid JSON", None),
     ("trailing-nul-padding", b"{}\0\0", b"", "not valid JSON", None),
     ("deep-nesting", b"[" * 100_000 + b"]" * 100_000, b"", "JSON", None),
-    ("huge-int-literal", b'{"a": {"dtype": "F32", "shape": [' + b"9" * 5000 + b'], "data_offsets": [0, 4]}}', b"\0" * 4, "shape", "a"),
+    (
+        "huge-int-literal",
+        b'{"a": {"dtype": "F32", "shape": [' + b"9" * 5000 + b'], "data_offsets": [0, 4]}}',
+        b"\0" * 4,
+        "shape",
+        "a",
+    ),
     ("top-level-list", b"[1, 2]", b"", "must be an object", None),
     ("top-level-string", b'"x"', b"", "must be an object", None),
     ("metadata-not-map", {"__metadata__": "v1"}, b"", "__metadata__", None),
@@ -190,16 +202,34 @@ BAD_HEADERS = [
     ("shape-bool", {"w": {"dtype": "F32", "shape": [True], "data_offsets": [0, 4]}}, b"\0" * 4, "shape", "w"),
     ("shape-float", {"w": {"dtype": "F32", "shape": [1.0], "data_offsets": [0, 4]}}, b"\0" * 4, "shape", "w"),
     ("shape-minus-zero", b'{"w": {"dtype": "F32", "shape": [-0, 1], "data_offsets": [0, 0]}}', b"", "shape", "w"),
-    ("shape-beyond-u64", b'{"w": {"dtype": "F32", "shape": [0, 18446744073709551616], "data_offsets": [0, 0]}}', b"", "shape", "w"),
+    (
+        "shape-beyond-u64",
+        b'{"w": {"dtype": "F32", "shape": [0, 18446744073709551616], "data_offsets": [0, 0]}}',
+        b"",
+        "shape",
+        "w",
+    ),
     ("shape-overflow", {"w": {"dtype": "F32", "shape": [2**63, 2**63, 0], "data_offsets": [0, 0]}}, b"", "overflows", "w"),
-    ("shape-hostile-dims", {"w": {"dtype": "F32", "shape": [2**63] * 10_000, "data_offsets": [0, 4]}}, b"\0" * 4, "overflows", "w"),
+    (
+        "shape-hostile-dims",
+        {"w": {"dtype": "F32", "shape": [2**63] * 10_000, "data_offsets": [0, 4]}},
+        b"\0" * 4,
+        "overflows",
+        "w",
+    ),
     ("offsets-three", {"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4, 8]}}, b"\0" * 8, "data_offsets", "w"),
     ("offsets-negative", {"w": {"dtype": "F32", "shape": [1], "data_offsets": [-4, 0]}}, b"", "data_offsets", "w"),
     ("offsets-bool", {"w": {"dtype": "BOOL", "shape": [1], "data_offsets": [False, True]}}, b"\0", "data_offsets", "w"),
     ("offsets-reversed", {"w": {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}}, b"\0" * 4, "begin 4 is after end 0", "w"),
     ("size-mismatch", {"w": f32(0, 4, shape=[2])}, b"\0" * 4, "needs 8 bytes", "w"),
     ("size-mismatch-bf16", {"w": {"dtype": "BF16", "shape": [3], "data_offsets": [0, 4]}}, b"\0" * 4, "needs 6 bytes", "w"),
-    ("sub-byte-misaligned", {"w": {"dtype": "F4", "shape": [3], "data_offsets": [0, 2]}}, b"\0" * 2, "whole number of bytes", "w"),
+    (
+        "sub-byte-misaligned",
+        {"w": {"dtype": "F4", "shape": [3], "data_offsets": [0, 2]}},
+        b"\0" * 2,
+        "whole number of bytes",
+        "w",
+    ),
     ("out-of-bounds", {"w": f32(0, 8)}, b"\0" * 4, "run past the end", "w"),
     ("out-of-bounds-huge", {"w": f32(2**63, 2**63 + 4)}, b"\0" * 4, "run past the end", "w"),
     ("overlap", {"a": f32(0, 8), "b": f32(4, 8)}, b"\0" * 8, "overlaps tensor 'a'", "b"),
@@ -208,9 +238,21 @@ BAD_HEADERS = [
     ("data-not-at-zero", {"a": f32(4, 8)}, b"\0" * 8, "start of the data section", "a"),
     ("trailing-bytes", {"a": f32(0, 4)}, b"\0" * 5, "1 trailing bytes after tensor 'a'", "a"),
     ("trailing-bytes-no-tensors", {}, b"\0", "1 trailing bytes", None),
-    ("duplicate-tensor", b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}', b"\0" * 4, "more than once", "w"),
+    (
+        "duplicate-tensor",
+        b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}',
+        b"\0" * 4,
+        "more than once",
+        "w",
+    ),
     ("duplicate-metadata-key", b'{"__metadata__": {"k": "1", "k": "2"}}', b"", "more than once", None),
-    ("lone-surrogate-name", b'{"\\ud800": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}', b"\0" * 4, "not valid Unicode", None),
+    (
+        "lone-surrogate-name",
+        b'{"\\ud800": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}',
+        b"\0" * 4,
+        "not valid Unicode",
+        None,
+    ),
 ]
 
 
@@ -359,7 +401,10 @@ def test_layout_rules_agree_with_safetensors(blob: bytes) -> None:
 @pytest.mark.parametrize(
     "blob",
     [
-        raw(b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}', b"\0" * 4),
+        raw(
+            b'{"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, "w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}',
+            b"\0" * 4,
+        ),
         raw({"w": {**f32(0, 4), "extra": 1}}, b"\0" * 4),
     ],
     ids=["duplicate-key", "extra-key"],
@@ -414,7 +459,9 @@ def _mutate_bytes(draw, header: bytes) -> bytes:
         del out[draw(st.integers(0, len(out))) :]
     elif kind == "insert":
         pos = draw(st.integers(0, len(out)))
-        junk = draw(st.binary(min_size=1, max_size=6) | st.sampled_from([b"-", b"0", b",", b'"', b"{", b"}", b"[", b"]", b"1e3", b" "]))
+        junk = draw(
+            st.binary(min_size=1, max_size=6) | st.sampled_from([b"-", b"0", b",", b'"', b"{", b"}", b"[", b"]", b"1e3", b" "])
+        )
         out[pos:pos] = junk
     else:
         start = draw(st.integers(0, len(out) - 1))

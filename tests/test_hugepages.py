@@ -28,7 +28,9 @@ namespaces = pytest.mark.skipif(
 
 def _mountinfo(*mounts: tuple[str, str, str]) -> str:
     """mountinfo lines for (mount point, fs type, super options)."""
-    return "".join(f"{20 + i} 1 0:{i} / {point} rw,relatime - {fstype} none {options}\n" for i, (point, fstype, options) in enumerate(mounts))
+    return "".join(
+        f"{20 + i} 1 0:{i} / {point} rw,relatime - {fstype} none {options}\n" for i, (point, fstype, options) in enumerate(mounts)
+    )
 
 
 @pytest.mark.parametrize(

@@ -38,7 +38,15 @@ BLOCK_TORCH = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("module", ["streamer_service.daemon.api", "streamer_service.daemon.core", "streamer_service.daemon.server", "streamer_client.connection"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "streamer_service.daemon.api",
+        "streamer_service.daemon.core",
+        "streamer_service.daemon.server",
+        "streamer_client.connection",
+    ],
+)
 def test_the_daemon_does_not_import_torch(module):
     result = subprocess.run([sys.executable, "-c", BLOCK_TORCH, module], capture_output=True, text=True, timeout=120)
     assert (result.returncode, result.stdout.strip()) == (0, "ok"), result.stderr[-3000:]
@@ -57,11 +65,28 @@ PULL_WITHOUT_TORCH = BLOCK_TORCH.split("for module in")[0] + textwrap.dedent(
 def test_pulling_metadata_in_process_does_not_import_torch(sample, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "STREAMER_SOCKET"}
     env["STREAMER_SOCKET"] = str(tmp_path / "no-daemon.sock")  # none there: in-process
-    result = subprocess.run([sys.executable, "-c", PULL_WITHOUT_TORCH, str(sample), str(tmp_path / "cache")], env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", PULL_WITHOUT_TORCH, str(sample), str(tmp_path / "cache")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert (result.returncode, result.stdout.strip()) == (0, "ok"), result.stderr[-3000:]
 
 
-HEAVY = ("pydantic", "pydantic_settings", "pydantic_core", "fastapi", "starlette", "uvicorn", "boto3", "botocore", "google.cloud", "azure")
+HEAVY = (
+    "pydantic",
+    "pydantic_settings",
+    "pydantic_core",
+    "fastapi",
+    "starlette",
+    "uvicorn",
+    "boto3",
+    "botocore",
+    "google.cloud",
+    "azure",
+)
 
 # Imports after torch, numpy and httpx (what an engine process has) are watched: a heavy one is
 # refused and recorded, so that one imported under ``try: ... except ImportError`` shows too.

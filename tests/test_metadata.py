@@ -318,7 +318,10 @@ def test_a_metadata_file_over_the_cap_fails_naming_it_before_any_download(backen
         "of 4096 bytes (STREAMER_METADATA_MAX_FILE_BYTES); raise it if a loader needs this file"
     )
     assert info.value.key == "tokenizer.json"
-    with pytest.raises(CheckpointError, match=r"2 files of 5002 bytes are over the limit of 5000 bytes \(STREAMER_METADATA_MAX_TOTAL_BYTES\); the largest is 'tokenizer.json'"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"2 files of 5002 bytes are over the limit of 5000 bytes \(STREAMER_METADATA_MAX_TOTAL_BYTES\); the largest is 'tokenizer.json'",
+    ):
         MetadataCache(Settings(metadata_max_total_bytes=5000)).pull(uri)
     _assert_nothing_left(backend, uri, Path(os.environ["STREAMER_CACHE_DIR"]))
     if backend.proxy is not None:  # refused from the listing: no object was downloaded
@@ -334,7 +337,9 @@ def test_a_forced_pull_skipped_in_the_same_launch_says_so(backend, model, caplog
     skips = [r.getMessage() for r in caplog.records if "forced pull of" in r.getMessage()]
     ppid = os.getppid()
     assert len(skips) == 2, skips
-    assert f"launch ppid-{ppid}-" in skips[0] and f"(from the parent process {ppid} (no STREAMER_LAUNCH_ID or torchrun)" in skips[0]
+    assert (
+        f"launch ppid-{ppid}-" in skips[0] and f"(from the parent process {ppid} (no STREAMER_LAUNCH_ID or torchrun)" in skips[0]
+    )
     assert skips[1].startswith(f"forced pull of {parse_uri(model).normalized} skipped: launch job-7 (given explicitly")
     assert "set STREAMER_LAUNCH_ID to a new value to pull again" in skips[1]
 
@@ -346,4 +351,7 @@ def test_a_uri_naming_one_object_says_so(backend):
     with pytest.raises(ObjectNotFoundError) as info:
         pull_metadata(uri)
     parent = parse_uri(backend.uri("m")).normalized
-    assert str(info.value) == f"{parse_uri(uri).normalized} names one object, not a checkpoint: give the prefix it is under, {parent}"
+    assert (
+        str(info.value)
+        == f"{parse_uri(uri).normalized} names one object, not a checkpoint: give the prefix it is under, {parent}"
+    )

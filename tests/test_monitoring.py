@@ -269,7 +269,9 @@ def _rule_file(tmp_path: Path, *, annotations: bool = True) -> Path:
 
 @needs_promtool
 def test_promtool_checks_the_rules(tmp_path):
-    result = subprocess.run([_promtool(), "check", "rules", str(_rule_file(tmp_path))], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [_promtool(), "check", "rules", str(_rule_file(tmp_path))], capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"SUCCESS: {len(_rules())} rules found" in result.stdout
 
@@ -329,7 +331,9 @@ tests:
 def test_each_alert_fires_on_its_failure_only(tmp_path):
     _rule_file(tmp_path, annotations=False)
     (tmp_path / "tests.yaml").write_text(RULE_TESTS)
-    result = subprocess.run([_promtool(), "test", "rules", "tests.yaml"], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [_promtool(), "test", "rules", "tests.yaml"], cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 

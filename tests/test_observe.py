@@ -99,7 +99,9 @@ def test_pull_draws_files_and_bytes_on_a_terminal_only(metadata_dir, tmp_path):
     assert "%|" not in off
     env_off = _pull_with_stderr_on_a_terminal(metadata_dir, tmp_path / "c3", env={"STREAMER_PROGRESS": "off"})
     assert "%|" not in env_off
-    piped = subprocess.run([*CLI, "pull", str(metadata_dir), "--cache-dir", str(tmp_path / "c4")], capture_output=True, text=True, timeout=60)
+    piped = subprocess.run(
+        [*CLI, "pull", str(metadata_dir), "--cache-dir", str(tmp_path / "c4")], capture_output=True, text=True, timeout=60
+    )
     assert piped.returncode == 0 and "%|" not in piped.stderr  # not a terminal: quiet
     forced = subprocess.run([*CLI, "--progress", "pull", str(metadata_dir), "--cache-dir", str(tmp_path / "c5")],
                             capture_output=True, text=True, timeout=60)  # fmt: skip

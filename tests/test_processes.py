@@ -128,14 +128,18 @@ def test_segments_prepared_at_start_give_way_to_a_load_the_shm_dir_has_room_for(
     rng = np.random.default_rng(16)
     save_file({"big": rng.integers(0, 256, 5 * 2**19, dtype=np.uint8), "small": rng.integers(0, 256, 2**16, dtype=np.uint8)},
               str(ckpt / "model.safetensors"))  # fmt: skip
-    (ckpt / "model.safetensors.index.json").write_text('{"weight_map": {"big": "model.safetensors", "small": "model.safetensors"}}')
+    (ckpt / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"big": "model.safetensors", "small": "model.safetensors"}}'
+    )
     d = DaemonProcess(
         tmp_path, {"STREAMER_SLOT_SIZE": "1MiB", "STREAMER_SEGMENT_IDLE_S": "30"}, "--shm-budget", "4MiB",
         tmpfs={tmp_path / "shm": "5m"},
     ).start()  # fmt: skip
     try:
         with d.client() as c:
-            ready = wait_until(lambda: (r := c.get("/readyz").json()) and not r["segments_preparing"] and r, what="segments prepared")
+            ready = wait_until(
+                lambda: (r := c.get("/readyz").json()) and not r["segments_preparing"] and r, what="segments prepared"
+            )
         assert ready["segments_prepared"] == 4
         result = finish(d.start_rank(str(ckpt), 0, 1, ckpt, None))
         assert result["bad"] == [] and result["got"]

@@ -62,7 +62,14 @@ def test_the_report_names_each_values_source():
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("target_gbps", 0), ("obj_concurrency", 0), ("obj_concurrency", 1025), ("s3_target_gbps", 0), ("read_chunk_size", "4MiB"), ("read_chunk_size", "2GiB")],
+    [
+        ("target_gbps", 0),
+        ("obj_concurrency", 0),
+        ("obj_concurrency", 1025),
+        ("s3_target_gbps", 0),
+        ("read_chunk_size", "4MiB"),
+        ("read_chunk_size", "2GiB"),
+    ],
 )
 def test_values_run_ai_would_refuse_are_refused_here(field, value):
     with pytest.raises(SettingsError, match=f"^STREAMER_{field.upper()}={value!r}: "):

@@ -1,4 +1,4 @@
-"""The contract with Run:ai's non-public native entry points (DESIGN.md 3.1).
+"""The contract with Run:ai's non-public native entry points (docs/architecture.md, "Data-path rules").
 
 These tests are meant to fail loudly when runai-model-streamer changes: the
 pinned version, the entry points and their parameter names, the response
@@ -340,7 +340,11 @@ def test_storage_settings_reach_runai_only_while_a_reader_is_open(monkeypatch):
     retries = {name: value for name, value in env.items() if "TIMEOUT" in name or "RETRIES" in name}
     assert retries == {"RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS": "2500", "RUNAI_STREAMER_S3_TIMEOUT": "9"}
     # The rest is the read parallelism the NIC rate asks for (tests/test_read_parallelism.py).
-    assert set(env) - set(retries) <= {"RUNAI_STREAMER_OBJ_CONCURRENCY", "RUNAI_STREAMER_S3_TARGET_GBPS", "RUNAI_STREAMER_CHUNK_BYTESIZE"}
+    assert set(env) - set(retries) <= {
+        "RUNAI_STREAMER_OBJ_CONCURRENCY",
+        "RUNAI_STREAMER_S3_TARGET_GBPS",
+        "RUNAI_STREAMER_CHUNK_BYTESIZE",
+    }
     assert runai.storage_environment(Settings(storage_retries=4))["RUNAI_STREAMER_S3_MAX_RETRIES"] == "4"
     with NativeReader(environment=env), NativeReader(environment=env):
         assert os.environ["RUNAI_STREAMER_S3_REQUEST_TIMEOUT_MS"] == "2500"

@@ -183,7 +183,9 @@ def test_symlinks_out_of_an_allowed_dir_are_refused_naming_the_entry(sample, tmp
                     assert r.status_code == 403, (case, r.text)
                     error = r.json()["error"]
                     assert error["type"] == "StorageAccessDeniedError" and error["key"] == entry, (case, error)
-                    assert f"refusing {entry!r} under {allowed / case}: it resolves outside every --allow prefix" in error["message"]
+                    assert (
+                        f"refusing {entry!r} under {allowed / case}: it resolves outside every --allow prefix" in error["message"]
+                    )
                     assert "SECRET" not in r.text and str(int.from_bytes(b"SECRETSS", "little")) not in r.text
             reply = c.post("/v1/metadata", json={"uri": str(inside)})
             assert reply.status_code == 200, reply.text

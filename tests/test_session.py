@@ -174,7 +174,9 @@ def test_each_rank_gets_its_bytes_in_the_embedded_order(node, priority, world):
     for rank, got in enumerate(results):
         assert [n for n, _ in got] == embedded[rank]
         assert all(data == _truth(node.checkpoint, n, node.dir) for n, data in got)
-    assert sum(node.submitted) == sum(t.nbytes for t in node.checkpoint.catalog.tensors if any(t.name in e for e in map(set, embedded)))
+    assert sum(node.submitted) == sum(
+        t.nbytes for t in node.checkpoint.catalog.tensors if any(t.name in e for e in map(set, embedded))
+    )
     node.submitted.clear()
     assert list(node.shm.iterdir()) == []
 

@@ -28,7 +28,9 @@ INTERESTING = [
     "auto", "ON", "path", "Virtual", "mapped", "RUNAI", "json", "TEXT", "debug", "Warning", "trace",
     "a, b", "a  b,c", '["a b"]', "[1]", "[", "{}", "tcp://127.0.0.1:1", "/tmp/x", "rel/dir", "//double",
 ]  # fmt: skip
-texts = st.one_of(st.sampled_from(INTERESTING), st.text(st.characters(exclude_categories=("Cs",), exclude_characters="\x00"), max_size=10))
+texts = st.one_of(
+    st.sampled_from(INTERESTING), st.text(st.characters(exclude_categories=("Cs",), exclude_characters="\x00"), max_size=10)
+)
 environments = st.dictionaries(st.sampled_from(NAMES), texts, max_size=8)
 python_values = st.one_of(
     texts, st.integers(-(2**40), 2**40), st.floats(allow_nan=True), st.booleans(), st.none(),
@@ -78,7 +80,9 @@ def test_both_readers_read_the_environment_alike(env):
 def test_both_readers_take_arguments_alike(env, passed, named):
     arguments = {"shm_budget": "budget"} if named else None
     with environment(env):
-        assert outcome(plain.read_settings, passed, arguments=arguments) == outcome(service.read_settings, passed, arguments=arguments)
+        assert outcome(plain.read_settings, passed, arguments=arguments) == outcome(
+            service.read_settings, passed, arguments=arguments
+        )
 
 
 def test_the_model_is_the_table():

@@ -63,7 +63,9 @@ def pull_metadata(
             from . import protocol
 
             body = protocol.MetadataRequest(os.fspath(uri), force, launch_id or _launch_id())
-            return Path(protocol.MetadataReply.from_wire(client.call(protocol.METADATA_PATH, body.to_wire(), read_timeout=None)).path)
+            return Path(
+                protocol.MetadataReply.from_wire(client.call(protocol.METADATA_PATH, body.to_wire(), read_timeout=None)).path
+            )
     from .in_process import pull_in_process
 
     return pull_in_process(uri, cache_dir=cache_dir, force=force, launch_id=launch_id)

@@ -59,9 +59,7 @@ class DaemonClient:
             else:
                 reply = self._http.post(path, json=body, **({"timeout": timeout} if timeout else {}))
         except httpx.TransportError as exc:
-            raise DaemonError(
-                f"streamer daemon at {self.socket} unreachable or gone ({type(exc).__name__}: {exc})"
-            ) from None
+            raise DaemonError(f"streamer daemon at {self.socket} unreachable or gone ({type(exc).__name__}: {exc})") from None
         try:
             data = reply.json()
         except ValueError:

@@ -47,6 +47,7 @@ __all__ = ["DaemonClient", "daemon_stream"]  # DaemonClient: re-exported from .c
 
 log = logging.getLogger(__name__)
 
+
 class _PrivateSegments:
     """Borrowed views: each segment mapped copy-on-write for this load only (see map_segment)."""
 
@@ -108,7 +109,13 @@ def _joined(client: DaemonClient, request: StreamRequest) -> Iterator[tuple[str,
     joined = JoinReply.from_wire(reply)
     shm_dir = cfg.if_given("shm_dir") or Path(joined.shm_dir)
     tensors = _Receiver(
-        client, shm_dir, joined.session_id, request.rank, device, request.borrowed, pin_segments=cfg.pin_segments,
+        client,
+        shm_dir,
+        joined.session_id,
+        request.rank,
+        device,
+        request.borrowed,
+        pin_segments=cfg.pin_segments,
         nbytes=joined.bytes,
     ).run()
     if request.progress == "off":

@@ -192,9 +192,7 @@ class Staging:
             raise
         self._closed = False
 
-    def copy(
-        self, items: Sequence[tuple[int, str, Sequence[int]]], fault: Callable[[int], BaseException]
-    ) -> list[torch.Tensor]:
+    def copy(self, items: Sequence[tuple[int, str, Sequence[int]]], fault: Callable[[int], BaseException]) -> list[torch.Tensor]:
         """Device tensors of ``items`` (``(source address, dtype, shape)``), their bytes staged.
 
         Returns once every byte was copied out of the sources (they may be reused from now on);

@@ -14,7 +14,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["Secret", "byte_size", "choice", "flag", "integer", "number", "optional", "path", "secret", "size_text", "text", "words"]
+__all__ = [
+    "Secret",
+    "byte_size",
+    "choice",
+    "flag",
+    "integer",
+    "number",
+    "optional",
+    "path",
+    "secret",
+    "size_text",
+    "text",
+    "words",
+]
 
 KiB, MiB, GiB = 1024, 1024**2, 1024**3
 

@@ -123,32 +123,77 @@ class Settings:
     shm_dir: Path = Setting(Path("/dev/shm"), path, "where shared-memory segments live (a rank: unset, where the daemon says)")
     shm_budget: int = Setting(4 * GiB, budget, "most bytes of tensor buffers in use at once (plus one oversized tensor)")
     slot_size: int = Setting(256 * MiB, byte_size(gt=0), "one buffer slot; larger tensors get their own allocation")
-    socket: Path | str | None = Setting(None, optional(socket_address), "the node daemon's unix socket or tcp://127.0.0.1:PORT (unset: DEFAULT_SOCKET)")
+    socket: Path | str | None = Setting(
+        None, optional(socket_address), "the node daemon's unix socket or tcp://127.0.0.1:PORT (unset: DEFAULT_SOCKET)"
+    )
     launch_id: str | None = Setting(None, optional(text), "explicit launch id (docs/metadata-cache.md)")
-    torchelastic_run_id: str | None = Setting(None, optional(run_id), "torchrun's run id: the launch id when STREAMER_LAUNCH_ID is unset", env="TORCHELASTIC_RUN_ID")
-    force_pull: bool = Setting(False, flag, "re-pull metadata once per launch even when the cache is complete", env=("TRTLLM_OBJECT_STORAGE_FORCE_PULL", "STREAMER_FORCE_PULL"))
+    torchelastic_run_id: str | None = Setting(
+        None, optional(run_id), "torchrun's run id: the launch id when STREAMER_LAUNCH_ID is unset", env="TORCHELASTIC_RUN_ID"
+    )
+    force_pull: bool = Setting(
+        False,
+        flag,
+        "re-pull metadata once per launch even when the cache is complete",
+        env=("TRTLLM_OBJECT_STORAGE_FORCE_PULL", "STREAMER_FORCE_PULL"),
+    )
     lock_timeout_s: float = Setting(1800.0, number(gt=0), "how long a puller waits for another process's pull of the same URI")
     lock_log_interval_s: float = Setting(5.0, number(gt=0), "how often a waiting puller logs that it is still waiting")
-    storage_retries: int = Setting(3, integer(ge=0, le=20), "retries of one failed storage request (listing, metadata, header, Run:ai S3 reads)")
+    storage_retries: int = Setting(
+        3, integer(ge=0, le=20), "retries of one failed storage request (listing, metadata, header, Run:ai S3 reads)"
+    )
     storage_connect_timeout_s: float = Setting(5.0, number(gt=0), "connect timeout of one storage request")
     storage_read_timeout_s: float = Setting(60.0, number(gt=0), "read timeout of one storage request")
-    storage_retry_deadline_s: float = Setting(60.0, number(gt=0), "GCS: total time one request may spend retrying; Run:ai S3: its retry window")
-    s3_addressing_style: str = Setting("auto", choice("auto", "path", "virtual"), "boto3's S3 addressing style; path for most S3-compatible servers")
-    target_gbps: int = Setting(100, integer(ge=1, le=10_000), "the node NIC's rate, Gbit/s: Run:ai's read parallelism and the bytes a load keeps in flight")
-    obj_concurrency: int | None = Setting(None, optional(integer(ge=1, le=1024)), "object-storage clients Run:ai reads with at once (Run:ai: 8)")
-    s3_target_gbps: int | None = Setting(None, optional(integer(ge=1, le=10_000)), "throughput target of each S3 client, Gbit/s (the AWS CRT: 10)")
-    read_chunk_size: int | None = Setting(None, optional(byte_size(ge=5 * MiB, le=GiB)), "bytes one Run:ai read request asks for (Run:ai: 8 MiB)")
-    local_reader: str = Setting("mapped", choice("mapped", "runai"), "how the daemon and CUDA loads read local files: mapped (native copier) or runai")
-    pin_segments: str = Setting("auto", choice("auto", "always", "never"), "a CUDA rank: page-lock the daemon's segments (always), stage them through a small pinned ring (never), or stage a process's first load and pin for its reloads (auto)")
-    azure_storage_connection_string: Secret | None = Setting(None, optional(secret), _AZURE + "connection string", env="AZURE_STORAGE_CONNECTION_STRING")
-    azure_storage_account_name: str | None = Setting(None, optional(text), _AZURE + "account name", env="AZURE_STORAGE_ACCOUNT_NAME")
-    azure_storage_account_key: Secret | None = Setting(None, optional(secret), _AZURE + "shared key", env="AZURE_STORAGE_ACCOUNT_KEY")
+    storage_retry_deadline_s: float = Setting(
+        60.0, number(gt=0), "GCS: total time one request may spend retrying; Run:ai S3: its retry window"
+    )
+    s3_addressing_style: str = Setting(
+        "auto", choice("auto", "path", "virtual"), "boto3's S3 addressing style; path for most S3-compatible servers"
+    )
+    target_gbps: int = Setting(
+        100,
+        integer(ge=1, le=10_000),
+        "the node NIC's rate, Gbit/s: Run:ai's read parallelism and the bytes a load keeps in flight",
+    )
+    obj_concurrency: int | None = Setting(
+        None, optional(integer(ge=1, le=1024)), "object-storage clients Run:ai reads with at once (Run:ai: 8)"
+    )
+    s3_target_gbps: int | None = Setting(
+        None, optional(integer(ge=1, le=10_000)), "throughput target of each S3 client, Gbit/s (the AWS CRT: 10)"
+    )
+    read_chunk_size: int | None = Setting(
+        None, optional(byte_size(ge=5 * MiB, le=GiB)), "bytes one Run:ai read request asks for (Run:ai: 8 MiB)"
+    )
+    local_reader: str = Setting(
+        "mapped", choice("mapped", "runai"), "how the daemon and CUDA loads read local files: mapped (native copier) or runai"
+    )
+    pin_segments: str = Setting(
+        "auto",
+        choice("auto", "always", "never"),
+        "a CUDA rank: page-lock the daemon's segments (always), stage them through a small pinned ring (never), or stage a process's first load and pin for its reloads (auto)",
+    )
+    azure_storage_connection_string: Secret | None = Setting(
+        None, optional(secret), _AZURE + "connection string", env="AZURE_STORAGE_CONNECTION_STRING"
+    )
+    azure_storage_account_name: str | None = Setting(
+        None, optional(text), _AZURE + "account name", env="AZURE_STORAGE_ACCOUNT_NAME"
+    )
+    azure_storage_account_key: Secret | None = Setting(
+        None, optional(secret), _AZURE + "shared key", env="AZURE_STORAGE_ACCOUNT_KEY"
+    )
     azure_storage_sas_token: Secret | None = Setting(None, optional(secret), _AZURE + "SAS token", env="AZURE_STORAGE_SAS_TOKEN")
-    azure_storage_endpoint_suffix: str = Setting("blob.core.windows.net", text, _AZURE + "blob host suffix", env="AZURE_STORAGE_ENDPOINT_SUFFIX")
+    azure_storage_endpoint_suffix: str = Setting(
+        "blob.core.windows.net", text, _AZURE + "blob host suffix", env="AZURE_STORAGE_ENDPOINT_SUFFIX"
+    )
     group_access: bool = Setting(False, flag, "socket 0660 and segments 0640 instead of 0600 (serve --group-access)")
-    tcp_port: int | None = Setting(None, optional(integer(ge=1, le=65535)), "also serve on 127.0.0.1:PORT; requires STREAMER_TOKEN")
-    token: Secret | None = Setting(None, optional(secret), "bearer token of the TCP listener (the daemon requires it, a rank sends it)")
-    metrics_port: int | None = Setting(None, optional(integer(ge=1, le=65535)), "serve GET /metrics and /healthz on this port (unset: off)")
+    tcp_port: int | None = Setting(
+        None, optional(integer(ge=1, le=65535)), "also serve on 127.0.0.1:PORT; requires STREAMER_TOKEN"
+    )
+    token: Secret | None = Setting(
+        None, optional(secret), "bearer token of the TCP listener (the daemon requires it, a rank sends it)"
+    )
+    metrics_port: int | None = Setting(
+        None, optional(integer(ge=1, le=65535)), "serve GET /metrics and /healthz on this port (unset: off)"
+    )
     metrics_host: str = Setting("0.0.0.0", text, "address the metrics listener binds")
     build_revision: str = Setting("unknown", text, "source revision the image was built from (streamer_build_info)")
     allow: tuple[str, ...] = Setting((), words, "URI prefixes the daemon may read (empty: any URI)")
@@ -156,11 +201,15 @@ class Settings:
     metadata_max_file_bytes: int = Setting(256 * MiB, byte_size(gt=0), "largest single file a metadata pull accepts")
     metadata_max_total_bytes: int = Setting(GiB, byte_size(gt=0), "most bytes one metadata pull downloads in total")
     retention_budget: int = Setting(0, byte_size(), "shared memory the daemon keeps checkpoints in after their load (0: off)")
-    segment_idle_s: float = Setting(30.0, number(ge=0), "how long the daemon keeps an unused segment for the next load (0: never)")
+    segment_idle_s: float = Setting(
+        30.0, number(ge=0), "how long the daemon keeps an unused segment for the next load (0: never)"
+    )
     segment_prepare: bool = Setting(True, flag, "make the first load's ring segments when the daemon starts")
     join_timeout_s: float = Setting(300.0, number(gt=0), "how long the ranks of a session have to join")
     rank_timeout_s: float = Setting(30.0, number(gt=0), "a rank silent this long is reclaimed")
-    stop_grace_s: float = Setting(10.0, number(ge=0), "how long a stopping daemon waits for its ranks to hear that it stops before it stops serving")
+    stop_grace_s: float = Setting(
+        10.0, number(ge=0), "how long a stopping daemon waits for its ranks to hear that it stops before it stops serving"
+    )
     log_level: str = Setting("INFO", level_name, "least severe level logged")
     log_format: str = Setting("text", choice("text", "json"), "text: one readable line; json: one JSON object per line")
     progress: str = Setting("auto", choice(*PROGRESS_MODES), "progress bars on stderr: auto (on a terminal), on, off")

@@ -31,7 +31,11 @@ QUICK = {"sources": "local,seaweed", "size": "32MB", "ranks": "2", "reps": 1, "w
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--source", default="local,seaweed", help="comma list of local, moto, seaweed, gcs, azure (default local,seaweed; azure: through benchmarks/azure_bench.py)")
+    parser.add_argument(
+        "--source",
+        default="local,seaweed",
+        help="comma list of local, moto, seaweed, gcs, azure (default local,seaweed; azure: through benchmarks/azure_bench.py)",
+    )
     parser.add_argument("--size", default="2GiB", help="checkpoint size, e.g. 2GiB, 500MB (default 2GiB)")
     parser.add_argument("--ranks", default="1,2,4", help="comma list of rank counts (default 1,2,4)")
     parser.add_argument("--scenarios", default="replicated,tp,disjoint", help="comma list (default: all three)")
@@ -39,21 +43,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--reps", type=int, default=3, help="timed repetitions (default 3)")
     parser.add_argument("--warmup", type=int, default=1, help="warm-up repetitions, every byte checked (default 1)")
     parser.add_argument("--full-check", action="store_true", help="check every byte in timed repetitions too")
-    parser.add_argument("--borrowed", action="store_true",
-                        help="ranks take zero-copy views (A: owned=False, B and C: borrowed=True); D still copies")
-    parser.add_argument("--runai-concurrency", type=int, default=0,
-                        help="RUNAI_STREAMER_CONCURRENCY for A, B and C (default 0: Run:ai's own, 8 from object storage)")
-    parser.add_argument("--latency-ms", type=float, default=0.0,
-                        help="hold every storage request this long before the server sees it (a latency proxy on "
-                             "loopback; object-storage sources only; default 0: none)")
-    parser.add_argument("--retention-budget", default="0",
-                        help="the bench daemon's STREAMER_RETENTION_BUDGET (default 0: off)")
+    parser.add_argument(
+        "--borrowed",
+        action="store_true",
+        help="ranks take zero-copy views (A: owned=False, B and C: borrowed=True); D still copies",
+    )
+    parser.add_argument(
+        "--runai-concurrency",
+        type=int,
+        default=0,
+        help="RUNAI_STREAMER_CONCURRENCY for A, B and C (default 0: Run:ai's own, 8 from object storage)",
+    )
+    parser.add_argument(
+        "--latency-ms",
+        type=float,
+        default=0.0,
+        help="hold every storage request this long before the server sees it (a latency proxy on "
+        "loopback; object-storage sources only; default 0: none)",
+    )
+    parser.add_argument("--retention-budget", default="0", help="the bench daemon's STREAMER_RETENTION_BUDGET (default 0: off)")
     parser.add_argument("--runai-chunk", help="RUNAI_STREAMER_CHUNK_BYTESIZE for A, B and C (default: Run:ai's)")
     parser.add_argument("--shm-budget", default="1GiB", help="the bench daemon's shared-memory budget (default 1GiB)")
     parser.add_argument("--work-dir", type=Path, help="keep the checkpoint and server data here (default: a temp dir)")
     parser.add_argument("--json", nargs="?", const="-", metavar="PATH", help="write JSON to PATH (or stdout: '-')")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke test: local + seaweed, 32 MB, N=2, one repetition, every byte checked")
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke test: local + seaweed, 32 MB, N=2, one repetition, every byte checked"
+    )
 
 
 def _config(args: argparse.Namespace, work: Path):
@@ -118,10 +133,14 @@ def run(args: argparse.Namespace) -> int:
             print(f"streamer-service bench: unknown source {unknown[0]!r}; choose from {', '.join(SOURCES)}", file=sys.stderr)
             return 2
         if {"gcs", "azure"} & set(config.sources) and Mode.NAIVE in config.modes:
-            print("streamer-service bench: contender D downloads with boto3: not from the 'gcs' or 'azure' source", file=sys.stderr)
+            print(
+                "streamer-service bench: contender D downloads with boto3: not from the 'gcs' or 'azure' source", file=sys.stderr
+            )
             return 2
         if config.latency_s and "local" in config.sources:
-            print("streamer-service bench: --latency-ms needs object-storage sources (moto, seaweed), not 'local'", file=sys.stderr)
+            print(
+                "streamer-service bench: --latency-ms needs object-storage sources (moto, seaweed), not 'local'", file=sys.stderr
+            )
             return 2
         bench = Bench(config, None)
         progress = Progress(bench.plan_total())
@@ -169,8 +188,7 @@ def run(args: argparse.Namespace) -> int:
         f"Run:ai env for A, B, C: {config.runai_env}; buffer budget (B's daemon, C) {config.shm_budget}; "
         + (f"retention budget (B's daemon) {config.retention_budget}; " if config.retention_budget not in ("", "0") else "")
         + (f"every storage request held {config.latency_s * 1000:g} ms (latency proxy); " if config.latency_s else "")
-        +
-        f"ranks take {'zero-copy views' if config.borrowed else 'owned tensors'}; "
+        + f"ranks take {'zero-copy views' if config.borrowed else 'owned tensors'}; "
         f"medians of {config.reps} after {config.warmup} warm-up; load average {load_before[0]:.2f} -> {load_after[0]:.2f}"
     )
     out = sys.stdout

@@ -60,8 +60,7 @@ class AzuriteSource(Source):
             "AZURE_STORAGE_ACCOUNT_KEY": key,
             "AZURE_STORAGE_ENDPOINT_SUFFIX": f"{ENDPOINT_SUFFIX_HOST}:{port}",
             "AZURE_STORAGE_CONNECTION_STRING": (
-                f"DefaultEndpointsProtocol=https;AccountName={account};AccountKey={key};"
-                f"BlobEndpoint=https://{self.host}:{port};"
+                f"DefaultEndpointsProtocol=https;AccountName={account};AccountKey={key};BlobEndpoint=https://{self.host}:{port};"
             ),
         }
 

@@ -153,7 +153,11 @@ def _load_client(job: RankJob, downloaded) -> Iterator[tuple[str, torch.Tensor]]
     import streamer_client
 
     return streamer_client.stream(
-        job.uri, select=list(job.select), rank=job.rank, world_size=job.world_size, launch_id=job.launch_id,
+        job.uri,
+        select=list(job.select),
+        rank=job.rank,
+        world_size=job.world_size,
+        launch_id=job.launch_id,
         borrowed=job.borrowed,
     )
 

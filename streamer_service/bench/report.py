@@ -198,7 +198,11 @@ def format_tables(rows: list[SummaryRow], ratio_rows: list[RatioRow]) -> str:
             f"| {_gb(r.peak_rss_ranks_bytes)} | {_gb(r.peak_rss_daemon_bytes)} | {checked} |"
         )
     if ratio_rows:
-        lines += ["", "| source | scenario | N | time B÷A | target | bytes B÷A | target |", "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+        lines += [
+            "",
+            "| source | scenario | N | time B÷A | target | bytes B÷A | target |",
+            "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
         for r in ratio_rows:
             lines.append(
                 f"| {r.source} | {r.scenario} | {r.ranks} | {_num(r.time_b_over_a, '.2f')} "

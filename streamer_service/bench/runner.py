@@ -128,9 +128,15 @@ class Bench:
             if Mode.DAEMON in self.config.modes:
                 root = self.work / f"daemon-{name}"
                 root.mkdir(exist_ok=True)
-                daemon = ChildDaemon(root, self.config.shm_budget,
-                                     env={**self._common_env(source), "STREAMER_LOG_LEVEL": "INFO",  # its own log file
-                                          "STREAMER_RETENTION_BUDGET": self.config.retention_budget})
+                daemon = ChildDaemon(
+                    root,
+                    self.config.shm_budget,
+                    env={
+                        **self._common_env(source),
+                        "STREAMER_LOG_LEVEL": "INFO",  # its own log file
+                        "STREAMER_RETENTION_BUDGET": self.config.retention_budget,
+                    },
+                )
                 self.started["daemon_pids"].append(daemon.proc.pid)
                 self.started["daemon_shm_dirs"].append(str(daemon.shm_dir))
             for scenario in self.config.scenarios:

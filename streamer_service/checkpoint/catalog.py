@@ -80,9 +80,7 @@ class Catalog:
         by_name: dict[str, TensorInfo] = {}
         for tensor in self.tensors:
             if by_name.setdefault(tensor.name, tensor) is not tensor:
-                raise CheckpointError(
-                    f"catalog lists tensor {tensor.name!r} more than once", key=tensor.name
-                )
+                raise CheckpointError(f"catalog lists tensor {tensor.name!r} more than once", key=tensor.name)
         self.by_name: Mapping[str, TensorInfo] = MappingProxyType(by_name)
 
     @property
@@ -128,9 +126,7 @@ class Catalog:
         version is mixed in so a change of the cached layout misses old caches.
         """
         relevant = sorted(
-            (o.name, o.size, o.etag)
-            for o in objects
-            if o.name.endswith(SAFETENSORS_SUFFIX) or o.name == INDEX_NAME
+            (o.name, o.size, o.etag) for o in objects if o.name.endswith(SAFETENSORS_SUFFIX) or o.name == INDEX_NAME
         )
         payload = json.dumps({"format": _CATALOG_FORMAT, "objects": relevant}, separators=(",", ":"))
         return hashlib.sha256(payload.encode("utf-8")).hexdigest()
@@ -217,9 +213,7 @@ def build_catalog(
     return _catalog_without_index(storage, listing, max_workers)
 
 
-def _catalog_from_index(
-    storage: Storage, index: ObjectInfo, listing: Mapping[str, ObjectInfo], max_workers: int
-) -> Catalog:
+def _catalog_from_index(storage: Storage, index: ObjectInfo, listing: Mapping[str, ObjectInfo], max_workers: int) -> Catalog:
     weight_map = _read_weight_map(storage, index)
     shard_names = list(dict.fromkeys(weight_map.values()))  # first appearance order
     missing = [name for name in shard_names if name not in listing]
@@ -240,9 +234,7 @@ def _catalog_from_index(
 def _read_weight_map(storage: Storage, index: ObjectInfo) -> dict[str, str]:
     where = storage.uri.child(INDEX_NAME)
     if index.size > MAX_INDEX_BYTES:
-        raise CheckpointError(
-            f"{where} is {index.size} bytes, larger than any real index", key=INDEX_NAME
-        )
+        raise CheckpointError(f"{where} is {index.size} bytes, larger than any real index", key=INDEX_NAME)
     buffer = io.BytesIO()
     storage.download(index, buffer)
 
@@ -260,9 +252,7 @@ def _read_weight_map(storage: Storage, index: ObjectInfo) -> dict[str, str]:
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CheckpointError(f"{where} is not valid JSON: {exc}", key=INDEX_NAME) from None
     weight_map = data.get("weight_map") if isinstance(data, dict) else None
-    if not isinstance(weight_map, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-    ):
+    if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
         raise CheckpointError(f"{where} has no weight_map of tensor name -> shard file", key=INDEX_NAME)
     if not weight_map:
         raise CheckpointError(f"{where} has an empty weight_map", key=INDEX_NAME)
@@ -290,20 +280,15 @@ def _follow_index(headers: Sequence[FileHeader], weight_map: Mapping[str, str], 
         "(e.g. %r from %r, not %r)",
         storage.uri, len(dropped), INDEX_NAME, first, weight_map[first], dropped[first][0],
     )  # fmt: skip
-    return [
-        replace(h, tensors=tuple(t for t in h.tensors if h.file not in dropped.get(t.name, ()))) for h in headers
-    ]
+    return [replace(h, tensors=tuple(t for t in h.tensors if h.file not in dropped.get(t.name, ()))) for h in headers]
 
 
-def _check_against_index(
-    headers: Sequence[FileHeader], weight_map: Mapping[str, str], storage: Storage
-) -> None:
+def _check_against_index(headers: Sequence[FileHeader], weight_map: Mapping[str, str], storage: Storage) -> None:
     in_headers = {t.name: h.file for h in headers for t in h.tensors}
     for name, shard in weight_map.items():
         if in_headers.get(name) != shard:
             raise CheckpointError(
-                f"{storage.uri}: {INDEX_NAME} maps tensor {name!r} to {shard!r}, "
-                f"but that shard's header has no such tensor",
+                f"{storage.uri}: {INDEX_NAME} maps tensor {name!r} to {shard!r}, but that shard's header has no such tensor",
                 uri=storage.uri.normalized,
                 key=shard,
             )
@@ -322,9 +307,7 @@ def _check_against_index(
                 )
 
 
-def _catalog_without_index(
-    storage: Storage, listing: Mapping[str, ObjectInfo], max_workers: int
-) -> Catalog:
+def _catalog_without_index(storage: Storage, listing: Mapping[str, ObjectInfo], max_workers: int) -> Catalog:
     names = sorted(n for n in listing if "/" not in n and n.endswith(SAFETENSORS_SUFFIX))
     if not names:
         raise ObjectNotFoundError(
@@ -349,7 +332,7 @@ def shard_group(name: str) -> str:
     """
     match = _SHARD_RE.search(name)
     if match is not None:
-        return f"{name[: match.start()]}-*-of-{match.group(2)}{name[match.end():]}"
+        return f"{name[: match.start()]}-*-of-{match.group(2)}{name[match.end() :]}"
     return _DIGITS_RE.sub("*", name)
 
 
@@ -374,7 +357,7 @@ def _check_complete(names: Sequence[str], storage: Storage) -> None:
     if match is None:
         return
     total = match.group(2)
-    stem, suffix = names[0][: match.start()], names[0][match.end():]
+    stem, suffix = names[0][: match.start()], names[0][match.end() :]
     width = len(match.group(1))
     expected = [f"{stem}-{i:0{width}d}-of-{total}{suffix}" for i in range(1, int(total) + 1)]
     missing = sorted(set(expected) - set(names))

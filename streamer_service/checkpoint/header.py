@@ -194,9 +194,7 @@ def parse_header(
         )
         for e in entries
     )
-    return FileHeader(
-        file=file, file_size=file_size, header_len=header_len, tensors=tensors, metadata=metadata
-    )
+    return FileHeader(file=file, file_size=file_size, header_len=header_len, tensors=tensors, metadata=metadata)
 
 
 def _check_header_len(header_len: int, file_size: int, where: str, file: str) -> None:
@@ -250,9 +248,7 @@ def _decode(header_json: bytes, where: str, file: str) -> dict[str, Any]:
     try:
         text = header_json.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise HeaderError(
-            f"{where}: header is not valid UTF-8 ({exc.reason} at byte {exc.start})", key=file
-        ) from None
+        raise HeaderError(f"{where}: header is not valid UTF-8 ({exc.reason} at byte {exc.start})", key=file) from None
     try:
         top = json.loads(
             text,
@@ -267,9 +263,7 @@ def _decode(header_json: bytes, where: str, file: str) -> dict[str, Any]:
     except ValueError as exc:  # JSONDecodeError, NaN, int digit limit
         raise HeaderError(f"{where}: header is not valid JSON: {exc}", key=file) from None
     if not isinstance(top, dict):
-        raise HeaderError(
-            f"{where}: header JSON must be an object, got {type(top).__name__}", key=file
-        )
+        raise HeaderError(f"{where}: header JSON must be an object, got {type(top).__name__}", key=file)
     for name in top:
         _check_text(name, where, file, "tensor name")
     return top
@@ -319,10 +313,7 @@ def _parse_entry(name: str, value: Any, where: str, file: str) -> _Entry:
     if keys != _TENSOR_KEYS:
         missing = sorted(_TENSOR_KEYS - keys)
         extra = sorted(keys - _TENSOR_KEYS)
-        raise fail(
-            f"entry must have exactly dtype, shape, data_offsets "
-            f"(missing {missing}, unexpected {extra})"
-        )
+        raise fail(f"entry must have exactly dtype, shape, data_offsets (missing {missing}, unexpected {extra})")
 
     dtype = value["dtype"]
     if not isinstance(dtype, str) or dtype not in DTYPES:
@@ -344,10 +335,7 @@ def _parse_entry(name: str, value: Any, where: str, file: str) -> _Entry:
     except ValueError as exc:
         raise fail(f"{dtype} shape {shape!r:.200} {exc}") from None
     if expected != end - begin:
-        raise fail(
-            f"{dtype} shape {shape!r:.200} needs {expected} bytes "
-            f"but data_offsets [{begin}, {end}) hold {end - begin}"
-        )
+        raise fail(f"{dtype} shape {shape!r:.200} needs {expected} bytes but data_offsets [{begin}, {end}) hold {end - begin}")
     return _Entry(name=name, dtype=dtype, shape=tuple(shape), begin=begin, end=end)
 
 
@@ -387,8 +375,7 @@ def _check_layout(entries: list[_Entry], data_len: int, where: str, file: str) -
         if e.begin < covered:
             assert holder is not None
             raise HeaderError(
-                f"{where}: tensor {e.name!r} [{e.begin}, {e.end}) overlaps tensor "
-                f"{holder.name!r} [{holder.begin}, {holder.end})",
+                f"{where}: tensor {e.name!r} [{e.begin}, {e.end}) overlaps tensor {holder.name!r} [{holder.begin}, {holder.end})",
                 key=file,
             )
         if e.begin > covered:
@@ -403,8 +390,7 @@ def _check_layout(entries: list[_Entry], data_len: int, where: str, file: str) -
     if covered != data_len:
         after = f"after tensor {holder.name!r}" if holder else "after the header"
         raise HeaderError(
-            f"{where}: {data_len - covered} trailing bytes {after} "
-            "(the data section must end where the last tensor ends)",
+            f"{where}: {data_len - covered} trailing bytes {after} (the data section must end where the last tensor ends)",
             key=file,
         )
     return ordered

@@ -153,8 +153,7 @@ class _Entries:
         for entry in parsed.entries:
             if not parsed.matches(entry):
                 raise SelectionError(
-                    f"{what} entry {entry!r} matches no {'selected ' if what == 'priority' else ''}"
-                    "tensor name or prefix",
+                    f"{what} entry {entry!r} matches no {'selected ' if what == 'priority' else ''}tensor name or prefix",
                     key=entry,
                 )
         parsed._check_no_overlap()
@@ -289,9 +288,7 @@ class Plan:
         )
 
 
-def build_plan(
-    tensors: Sequence[TensorInfo], slot_size: int, *, align: int = DEFAULT_ALIGN
-) -> Plan:
+def build_plan(tensors: Sequence[TensorInfo], slot_size: int, *, align: int = DEFAULT_ALIGN) -> Plan:
     """Plan ``tensors`` (in delivery order, each at most once) into batches; see the module docstring."""
     _check_plan_args(slot_size, align)
     _check_unique(tensors)

@@ -38,10 +38,7 @@ def format_table(catalog: Catalog) -> str:
     widths = {c: max(len(r[c]) for r in rows) for c in _COLUMNS}
 
     def line(row: Mapping[str, str]) -> str:
-        cells = (
-            row[c].rjust(widths[c]) if c in _RIGHT_ALIGNED else row[c].ljust(widths[c])
-            for c in _COLUMNS
-        )
+        cells = (row[c].rjust(widths[c]) if c in _RIGHT_ALIGNED else row[c].ljust(widths[c]) for c in _COLUMNS)
         return "  ".join(cells).rstrip()
 
     summary = (

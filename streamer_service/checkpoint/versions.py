@@ -63,7 +63,9 @@ class ObjectVersions:
             now = current.get(name)
             if now is None:
                 raise ObjectNotFoundError(
-                    f"{self.uri.child(name)} is gone since the metadata of {self.uri} was pulled", uri=self.uri.normalized, key=name
+                    f"{self.uri.child(name)} is gone since the metadata of {self.uri} was pulled",
+                    uri=self.uri.normalized,
+                    key=name,
                 )
             if (now.size, now.etag) != (want.size, want.etag):
                 raise ObjectChangedError(

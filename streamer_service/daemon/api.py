@@ -196,7 +196,7 @@ def create_app(settings: Settings) -> FastAPI:
         request.app.state.daemon.metrics.errors.labels(type="ConfigError").inc()
         where = f"{request.method} {request.url.path}"
         if exc.status_code == 404:
-            message = f"{where}: no such path (the API: docs/daemon.md, \"HTTP API\", or GET /openapi.json)"
+            message = f'{where}: no such path (the API: docs/daemon.md, "HTTP API", or GET /openapi.json)'
         elif exc.status_code == 405:
             allowed = next((v for k, v in (exc.headers or {}).items() if k.lower() == "allow"), "?")
             message = f"{where}: method not allowed (allowed: {allowed})"

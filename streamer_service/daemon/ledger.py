@@ -81,7 +81,9 @@ class RankLedger:
         self.ranks: dict[int, RankState] = {}
         self._leases: dict[int, tuple[int, Any]] = {}  # batch -> (ranks holding it, token)
 
-    def add(self, rank: int, names: frozenset[str], nbytes: int, count: int, process: ProcessWatch | None, now: float) -> RankState:
+    def add(
+        self, rank: int, names: frozenset[str], nbytes: int, count: int, process: ProcessWatch | None, now: float
+    ) -> RankState:
         state = RankState(rank, names, nbytes, to_hand_out=count, last_seen=now, process=process)
         self.ranks[rank] = state
         return state
@@ -207,4 +209,3 @@ class RankLedger:
         for r in self.ranks.values():
             counts[r.status.value] = counts.get(r.status.value, 0) + 1
         return f"RankLedger(ranks={counts}, leased_batches={len(self._leases)})"
-

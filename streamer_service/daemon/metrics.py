@@ -116,14 +116,18 @@ class Metrics:
         disable_created_metrics()
         self.registry = CollectorRegistry()
         r = self.registry
-        self.storage_bytes = Counter("streamer_storage_read_bytes", "Bytes read from storage into shared memory", ["scheme"], registry=r)
+        self.storage_bytes = Counter(
+            "streamer_storage_read_bytes", "Bytes read from storage into shared memory", ["scheme"], registry=r
+        )
         self.unique_bytes = Counter(
             "streamer_load_unique_bytes",
             "Bytes of the tensors the ranks of each session selected, each tensor counted once (the union)",
             ["scheme"],
             registry=r,
         )
-        self.delivered_bytes = Counter("streamer_rank_delivered_bytes", "Bytes handed to ranks, by rank number", ["rank"], registry=r)
+        self.delivered_bytes = Counter(
+            "streamer_rank_delivered_bytes", "Bytes handed to ranks, by rank number", ["rank"], registry=r
+        )
         self.read_seconds = Counter(
             "streamer_storage_read_seconds",
             "Seconds sessions spent reading, first storage request to last byte landed (waits for slow ranks included)",
@@ -131,7 +135,10 @@ class Metrics:
             registry=r,
         )
         self.last_rate = Gauge(
-            "streamer_last_session_read_bytes_per_second", "Storage bytes per second of the last session that read any", ["scheme"], registry=r
+            "streamer_last_session_read_bytes_per_second",
+            "Storage bytes per second of the last session that read any",
+            ["scheme"],
+            registry=r,
         )
         self.load_seconds = Histogram(
             "streamer_load_duration_seconds",
@@ -149,7 +156,10 @@ class Metrics:
         )
         self.sessions = Counter("streamer_sessions", "Sessions ended, by outcome (done, failed)", ["outcome"], registry=r)
         self.session_failures = Counter(
-            "streamer_session_failures", "Sessions that failed, by error type (StorageError, ObjectChangedError, ...)", ["type"], registry=r
+            "streamer_session_failures",
+            "Sessions that failed, by error type (StorageError, ObjectChangedError, ...)",
+            ["type"],
+            registry=r,
         )
         self.errors = Counter("streamer_errors", "Requests refused or failed, by error type", ["type"], registry=r)
         self.metadata = Counter(

@@ -79,7 +79,9 @@ def _size(text: str) -> int | None:
     return int(number) * units[unit] if number.isdigit() else None
 
 
-def detect_pages(shm_dir: Path, *, mountinfo: str | None = None, shmem_enabled: str | None = None, pmd_size: int | None = None) -> Pages:
+def detect_pages(
+    shm_dir: Path, *, mountinfo: str | None = None, shmem_enabled: str | None = None, pmd_size: int | None = None
+) -> Pages:
     """The page size files in ``shm_dir`` get (see the module docstring). Arguments for tests."""
     mountinfo = _read(Path("/proc/self/mountinfo")) if mountinfo is None else mountinfo
     mount = _mount_of(Path(shm_dir), mountinfo)

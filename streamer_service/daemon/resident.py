@@ -175,4 +175,3 @@ class ResidentStore:
             segment.close()  # ranks that still map it keep their pages until they unmap
         self.used -= copy.nbytes
         copy.nbytes = 0
-

@@ -96,7 +96,9 @@ def check_startup(settings: Settings) -> None:
     if settings.tcp_port is not None and not (settings.token and settings.token.get_secret_value()):
         raise ConfigError("--tcp-port needs a bearer token in STREAMER_TOKEN")
     if settings.metrics_port is not None and settings.metrics_port == settings.tcp_port:
-        raise ConfigError(f"--metrics-port {settings.metrics_port} is also --tcp-port: give the metrics listener a port of its own")
+        raise ConfigError(
+            f"--metrics-port {settings.metrics_port} is also --tcp-port: give the metrics listener a port of its own"
+        )
     for prefix in settings.allow:
         try:
             parse_uri(prefix)
@@ -139,7 +141,8 @@ def serve(settings: Settings) -> int:
         local = local_reader_in_force(settings.local_reader)
         # A warning where the setting asks for mapped reads and they are not in force.
         (log.warning if settings.local_reader == "mapped" and local != "mapped" else log.info)(
-            "local dirs: read %s", "through file mappings by the native copier" if local == "mapped" else f"by {local}",
+            "local dirs: read %s",
+            "through file mappings by the native copier" if local == "mapped" else f"by {local}",
             extra={"local_reader": local},
         )
         if listener is not None:
@@ -219,7 +222,13 @@ class ChildDaemon:
     """
 
     def __init__(
-        self, root: Path, budget: str, *, env: dict[str, str] | None = None, shm_dir: Path | None = None, start_timeout_s: float = 60
+        self,
+        root: Path,
+        budget: str,
+        *,
+        env: dict[str, str] | None = None,
+        shm_dir: Path | None = None,
+        start_timeout_s: float = 60,
     ) -> None:
         shm_parent = "/dev/shm" if os.path.isdir("/dev/shm") else str(root)
         self._own_shm_dir = shm_dir is None

@@ -50,7 +50,7 @@ from .metrics import LoadTimes
 from .process import ProcessWatch
 from .resident import ResidentStore
 from .roster import Roster
-from .session_buffers import SegmentSlot, SessionBuffers
+from .session_buffers import SegmentSlot, SessionBuffers, handle
 from .shm import Segment, SegmentPool
 from .stats import SessionSummary
 
@@ -106,9 +106,8 @@ class Session:
         self.resident_bytes = 0  # handed out from memory kept by earlier loads
         self._slot_size = slot_size
         self._in_flight = in_flight  # bytes submitted to storage and not yet landed, at most
-        self._roster = Roster(
-            key, checkpoint.uri, world_size, only=rejoin[1] if rejoin is not None else None, join_timeout_s=join_timeout_s, now=clock()
-        )
+        only = rejoin[1] if rejoin is not None else None
+        self._roster = Roster(key, checkpoint.uri, world_size, only=only, join_timeout_s=join_timeout_s, now=clock())
         self._on_end = on_end
         self._storage_environment = storage_environment  # Run:ai's retry/timeout variables
         self._versions = versions  # checks each loaded batch's objects before publishing it
@@ -324,10 +323,7 @@ class Session:
             segment = slot.segment.name if slot is not None else None
             # A kept segment is read by later loads too: ranks map it like a ring slot.
             dedicated = load.batch.kind is BatchKind.OVERSIZED and not slot.kept
-            handles = [
-                Handle(load.index, segment, p.buffer_offset, p.tensor.nbytes, p.tensor.name, p.tensor.dtype, p.tensor.shape, dedicated)
-                for p in load.batch.placements
-            ]
+            handles = [handle(load.index, segment, p.buffer_offset, p.tensor, dedicated) for p in load.batch.placements]
             handed, held = self._ledger.publish(load.index, handles, slot, leased=segment is not None)
             if handed:
                 self.times.mark("first_ready")

@@ -40,7 +40,7 @@ from ..sizing import ring_slots
 from .resident import ResidentCopy, ResidentStore
 from .shm import CREATE_WORKERS, Reservation, Segment, SegmentPool
 
-__all__ = ["KEPT_AHEAD", "SegmentSlot", "SessionBuffers"]
+__all__ = ["KEPT_AHEAD", "SegmentSlot", "SessionBuffers", "handle"]
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +51,12 @@ RING_AHEAD = 2
 # Kept segments being made or ready ahead of the batch that needs them: one per maker thread, and
 # as many again ready, so the makers never wait for the pipeline to ask.
 KEPT_AHEAD = 2 * CREATE_WORKERS
+
+
+def handle(batch: int, segment: str | None, offset: int, tensor: TensorInfo, dedicated: bool = False) -> Handle:
+    """A rank's handle to ``tensor`` at ``offset`` in ``segment`` (``None``: an empty tensor);
+    ``dedicated``: an oversized tensor's own segment, unlinked once released."""
+    return Handle(batch, segment, offset, tensor.nbytes, tensor.name, tensor.dtype, tensor.shape, dedicated)
 
 
 @dataclass(eq=False)
@@ -103,7 +109,7 @@ class SessionBuffers:
             if kept is not None:
                 by_segment.setdefault(kept.segment.name, []).append((t, kept.offset))
         return [
-            [Handle(index, segment, offset, t.nbytes, t.name, t.dtype, t.shape, False) for t, offset in tensors]
+            [handle(index, segment, offset, t) for t, offset in tensors]
             for index, (segment, tensors) in enumerate(by_segment.items(), first)
         ]
 
@@ -171,7 +177,9 @@ class SessionBuffers:
     def keep(self, slot: SegmentSlot, placements: Sequence[Placement]) -> None:
         """A loaded kept segment: its tensors join the resident copy, which owns it from now on."""
         if slot.kept:
-            self._resident.add(self._copy, slot.segment, [(p.tensor.name, p.buffer_offset) for p in placements if p.tensor.nbytes])
+            self._resident.add(
+                self._copy, slot.segment, [(p.tensor.name, p.buffer_offset) for p in placements if p.tensor.nbytes]
+            )
             slot.resident = True
 
     def recycle(self, slot: SegmentSlot) -> None:

@@ -104,7 +104,11 @@ class DaemonStats:
         resident["resident_checkpoints"] = tuple(resident["resident_checkpoints"])
         return cls(
             # A field with a default may be missing: a daemon of an earlier version (the benchmarks' baseline).
-            **{f.name: body[f.name] for f in fields(cls) if f.name not in ("resident", "sessions", "finished") and (f.name in body or f.default is MISSING)},
+            **{
+                f.name: body[f.name]
+                for f in fields(cls)
+                if f.name not in ("resident", "sessions", "finished") and (f.name in body or f.default is MISSING)
+            },
             resident=ResidentStats(**resident),
             sessions=tuple(SessionSummary.from_json(s) for s in body["sessions"]),
             finished=tuple(SessionSummary.from_json(s) for s in body["finished"]),

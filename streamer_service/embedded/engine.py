@@ -103,7 +103,6 @@ __all__ = [
 ]
 
 
-
 @dataclass(frozen=True)
 class EngineConfig:
     """What one engine may use: ``budget`` bytes of buffers in slots of at most ``slot_size``."""
@@ -119,9 +118,7 @@ class EngineConfig:
         if not isinstance(self.budget, int) or self.budget <= 0:
             raise ConfigError(f"buffer budget must be a positive number of bytes, got {self.budget!r}")
         if not isinstance(self.slot_size, int) or not 0 < self.slot_size <= self.budget:
-            raise ConfigError(
-                f"slot size must be positive and at most the budget ({self.budget}), got {self.slot_size!r}"
-            )
+            raise ConfigError(f"slot size must be positive and at most the budget ({self.budget}), got {self.slot_size!r}")
         if self.align <= 0 or self.align & (self.align - 1) or mmap.PAGESIZE % self.align:
             # Buffers are page-aligned mmaps, so congruence holds for any power of two up to a page.
             raise ConfigError(f"alignment must be a power of two dividing {mmap.PAGESIZE}, got {self.align!r}")
@@ -207,9 +204,7 @@ class EmbeddedEngine:
 
     def _check_plan(self, plan: Plan) -> None:
         if plan.slot_size > self.config.slot_size:
-            raise ConfigError(
-                f"plan has slots of {plan.slot_size} bytes but this engine's slot size is {self.config.slot_size}"
-            )
+            raise ConfigError(f"plan has slots of {plan.slot_size} bytes but this engine's slot size is {self.config.slot_size}")
         if mmap.PAGESIZE % plan.align:
             raise ConfigError(f"plan alignment {plan.align} does not divide the page size {mmap.PAGESIZE}")
         for tensor in plan.tensors:
@@ -242,7 +237,9 @@ class EmbeddedEngine:
             plan = in_parts(plan, slot_bytes)
         slot_batches = sum(b.kind is BatchKind.SLOT and b.buffer_bytes > 0 for b in plan.batches)
         # A device ring: at most DEVICE_RING_BYTES, but two slots (one filling, one copying).
-        count = ring_slots(self.config.budget, slot_bytes, slot_batches, cap_bytes=DEVICE_RING_BYTES if pool is not None else None)
+        count = ring_slots(
+            self.config.budget, slot_bytes, slot_batches, cap_bytes=DEVICE_RING_BYTES if pool is not None else None
+        )
         return plan, Slots(slot_bytes, count, self.stats, pool)
 
     @staticmethod

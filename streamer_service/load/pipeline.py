@@ -120,7 +120,9 @@ class Pipeline:
         self._uri = uri
         self._limit = in_flight  # None: as many bytes as the buffers hold
         # Bytes of one Run:ai request (a request holds whole batches, at least one).
-        self._submission_bytes = submission_bytes if submission_bytes is not None else submission_size(in_flight, local=uri.is_local)
+        self._submission_bytes = (
+            submission_bytes if submission_bytes is not None else submission_size(in_flight, local=uri.is_local)
+        )
         self._in_flight = 0  # bytes submitted and not yet landed
         self._verify = verify
         self._reader = reader

@@ -52,7 +52,17 @@ from ..storage import ObjectInfo, Storage, open_storage
 from ..uri import StorageURI, parse_uri
 from .lock import FileLock
 
-__all__ = ["LOADER_PATTERNS", "MARKER", "WEIGHT_SUFFIXES", "MetadataCache", "Marker", "is_weight", "safe_relative_path", "wanted", "write_private"]
+__all__ = [
+    "LOADER_PATTERNS",
+    "MARKER",
+    "WEIGHT_SUFFIXES",
+    "MetadataCache",
+    "Marker",
+    "is_weight",
+    "safe_relative_path",
+    "wanted",
+    "write_private",
+]
 
 log = logging.getLogger(__name__)
 
@@ -236,7 +246,9 @@ class MetadataCache:
         except OSError:
             return None
         if mode != self.dir_mode:
-            log.info("pulling %s again: its cache dir %s has mode %o, this process writes %o", marker.uri, final, mode, self.dir_mode)
+            log.info(
+                "pulling %s again: its cache dir %s has mode %o, this process writes %o", marker.uri, final, mode, self.dir_mode
+            )
             return None
         if force:
             # Forcing is once per launch (DESIGN 4); say so, or a forced pull silently does nothing.

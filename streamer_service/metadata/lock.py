@@ -70,8 +70,7 @@ class FileLock:
                 now = self._clock()
                 if now - start >= self.timeout_s:
                     raise CacheLockTimeoutError(
-                        f"gave up after {self.timeout_s:g} s waiting for lock {self.path} "
-                        f"held by another pull of {self.what}",
+                        f"gave up after {self.timeout_s:g} s waiting for lock {self.path} held by another pull of {self.what}",
                         uri=self.what,
                     )
                 if now >= next_log:

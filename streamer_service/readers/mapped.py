@@ -304,9 +304,7 @@ class MappedReader:
             answers = [(fi, ri) for fi, file in enumerate(submission.files) for ri in range(len(file.ranges))]
             for n, (fi, ri) in enumerate(answers):
                 file = submission.files[fi]
-                yield RangeResult(
-                    submission.id, fi, ri, file.path, file.ranges[ri], n == len(answers) - 1, errors.get((fi, ri))
-                )
+                yield RangeResult(submission.id, fi, ri, file.path, file.ranges[ri], n == len(answers) - 1, errors.get((fi, ri)))
 
     def __repr__(self) -> str:
         return f"MappedReader({'open' if self._started else 'closed'}, {len(self._live)} submissions)"

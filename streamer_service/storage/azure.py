@@ -73,9 +73,7 @@ class AzureStorage(Storage):
     def download(self, obj: ObjectInfo, dest: BinaryIO) -> int:
         key = self.uri.key_for(obj.name)
         try:
-            stream = self._container.download_blob(
-                key, etag=f'"{obj.etag}"', match_condition=MatchConditions.IfNotModified
-            )
+            stream = self._container.download_blob(key, etag=f'"{obj.etag}"', match_condition=MatchConditions.IfNotModified)
             return stream.readinto(dest)
         except aexc.AzureError as exc:
             raise self._error(exc, key) from None

@@ -60,7 +60,12 @@ class GCSStorage(Storage):
         detail = getattr(exc, "message", None) or str(exc)
         credentials = self._credentials_source() if kind is Failure.DENIED else ""
         return storage_error(
-            kind, uri=self.uri.normalized, bucket=self.uri.bucket, key=key, detail=f"{type(exc).__name__}: {detail}", credentials=credentials
+            kind,
+            uri=self.uri.normalized,
+            bucket=self.uri.bucket,
+            key=key,
+            detail=f"{type(exc).__name__}: {detail}",
+            credentials=credentials,
         )
 
     def _credentials_source(self) -> str:

@@ -122,7 +122,9 @@ class LocalStorage(Storage):
         try:
             return stat_mod.S_IMODE(os.stat(self._path(obj.name)).st_mode)
         except FileNotFoundError:
-            raise ObjectNotFoundError(f"{self._path(obj.name)} disappeared during the pull", uri=self.root, key=obj.name) from None
+            raise ObjectNotFoundError(
+                f"{self._path(obj.name)} disappeared during the pull", uri=self.root, key=obj.name
+            ) from None
 
     def read_range(self, name: str, offset: int, length: int) -> bytes:
         path = self._path(name)

@@ -102,9 +102,9 @@ for src, dst in json.loads(sys.argv[1]):
         err = ctypes.get_errno()
         sys.stderr.write(f"azure_tls: cannot bind-mount {src} over {dst}: {os.strerror(err)}\n")
         sys.stderr.flush()
-        os._exit(%d)
+        os._exit(SETUP_FAILED)
 os.execv(sys.argv[2], sys.argv[2:])
-""" % SETUP_FAILED  # noqa: UP031 - the script has braces of its own
+""".replace("SETUP_FAILED", str(SETUP_FAILED))
 
 # A TLS handshake from inside the namespace with nothing but the system bundle and the system
 # resolver: proves the harness works before any product code runs.
@@ -134,9 +134,7 @@ def skip_reason() -> str | None:
 
 
 def _unshare_path() -> str | None:
-    return shutil.which("unshare") or next(
-        (p for p in ("/usr/bin/unshare", "/bin/unshare") if os.access(p, os.X_OK)), None
-    )
+    return shutil.which("unshare") or next((p for p in ("/usr/bin/unshare", "/bin/unshare") if os.access(p, os.X_OK)), None)
 
 
 # --------------------------------------------------------------------------- certificates
@@ -178,9 +176,15 @@ def make_test_pki(directory: Path, hostnames: Sequence[str], ips: Sequence[str] 
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(
             x509.KeyUsage(
-                digital_signature=True, content_commitment=False, key_encipherment=False,
-                data_encipherment=False, key_agreement=False, key_cert_sign=True, crl_sign=True,
-                encipher_only=False, decipher_only=False,
+                digital_signature=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
             ),
             critical=True,
         )  # fmt: skip
@@ -443,9 +447,7 @@ class AzureTLSBackend(AzureBackend):
         return {
             **self.env,
             "AZURE_STORAGE_ENDPOINT_SUFFIX": f"{ENDPOINT_SUFFIX_HOST}:{closed}",
-            "AZURE_STORAGE_CONNECTION_STRING": self.env["AZURE_STORAGE_CONNECTION_STRING"].replace(
-                f":{port};", f":{closed};"
-            ),
+            "AZURE_STORAGE_CONNECTION_STRING": self.env["AZURE_STORAGE_CONNECTION_STRING"].replace(f":{port};", f":{closed};"),
         }
 
     def run(self, argv: Sequence[str], **kw) -> subprocess.CompletedProcess:

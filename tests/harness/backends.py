@@ -266,9 +266,7 @@ class AzureService(_Service):
         self.emulator = start_azurite(log_dir=log_dir)
         try:
             self.proxy = CountingProxy(self.emulator.endpoint).start()
-            self.client = BlobServiceClient.from_connection_string(
-                azurite_connection_string(self.emulator.endpoint)
-            )
+            self.client = BlobServiceClient.from_connection_string(azurite_connection_string(self.emulator.endpoint))
         except BaseException:
             self.emulator.stop()
             raise
@@ -319,9 +317,7 @@ class S3Backend(_CloudBackend):
         self.service.client.delete_object(Bucket=self.bucket, Key=key)
 
     def keys(self, prefix: str = "") -> list[str]:
-        pages = self.service.client.get_paginator("list_objects_v2").paginate(
-            Bucket=self.bucket, Prefix=prefix
-        )
+        pages = self.service.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
         return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
 
     def close(self) -> None:

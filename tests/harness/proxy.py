@@ -187,8 +187,11 @@ class _Handler(BaseHTTPRequestHandler):
             status, reason, headers, data, length = self._forward(body)
         except (OSError, http.client.HTTPException) as e:
             status, reason, headers, data, length = (
-                502, "Bad Gateway", [("Content-Type", "text/plain")],
-                f"proxy: upstream error: {e!r}".encode(), None,
+                502,
+                "Bad Gateway",
+                [("Content-Type", "text/plain")],
+                f"proxy: upstream error: {e!r}".encode(),
+                None,
             )
         proxy._record(replace(record, status=status))
         self._respond(status, reason, headers, data, length)
@@ -205,9 +208,7 @@ class _Handler(BaseHTTPRequestHandler):
                 conn.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
                 if "Host" not in self.headers:
                     conn.putheader("Host", f"{conn.host}:{conn.port}")
-                dropped = {
-                    t.strip().lower() for t in self.headers.get("Connection", "").split(",") if t.strip()
-                }
+                dropped = {t.strip().lower() for t in self.headers.get("Connection", "").split(",") if t.strip()}
                 for name, value in self.headers.items():
                     if name.lower() not in _HOP_BY_HOP and name.lower() not in dropped:
                         conn.putheader(name, value)
@@ -330,8 +331,10 @@ class CountingProxy:
     def start(self) -> CountingProxy:
         if self._thread is None:
             self._thread = threading.Thread(
-                target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
-                name=f"counting-proxy-{self.port}", daemon=True,
+                target=self._server.serve_forever,
+                kwargs={"poll_interval": 0.1},
+                name=f"counting-proxy-{self.port}",
+                daemon=True,
             )
             self._thread.start()
         return self

@@ -93,9 +93,7 @@ class NodeRanks:
     session: str
 
 
-def agree_on_node(
-    all_gather: Callable[[Any], list[Any]] | None, *, global_rank: int, session: str | None, uri: str
-) -> NodeRanks:
+def agree_on_node(all_gather: Callable[[Any], list[Any]] | None, *, global_rank: int, session: str | None, uri: str) -> NodeRanks:
     """Node-local rank and world size, and one session key, agreed by one collective.
 
     ``all_gather(obj)`` returns every rank's ``obj`` in global-rank order (None: a single rank).

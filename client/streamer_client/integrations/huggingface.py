@@ -43,7 +43,9 @@ def model_class_for(config_dir: Path, auto_class: Any = None, *, trust_remote_co
     auto_map = getattr(config, "auto_map", None) or {}
     if auto_class.__name__ in auto_map:
         if not trust_remote_code:
-            raise ConfigError(f"{config_dir} ships its own model code ({auto_map[auto_class.__name__]}): pass trust_remote_code=True to run it")
+            raise ConfigError(
+                f"{config_dir} ships its own model code ({auto_map[auto_class.__name__]}): pass trust_remote_code=True to run it"
+            )
         from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
         return get_class_from_dynamic_module(auto_map[auto_class.__name__], str(config_dir)), config
@@ -88,9 +90,7 @@ def from_pretrained(
     if problems:
         shown = "; ".join(f"{k.replace('_', ' ')}: {', '.join(map(str, v[:5]))}" for k, v in problems.items())
         first = next(iter(problems.values()))[0]
-        raise CheckpointError(
-            f"{os.fspath(uri)} does not fit {cls.__name__}: {shown}", uri=os.fspath(uri), key=str(first)
-        )
+        raise CheckpointError(f"{os.fspath(uri)} does not fit {cls.__name__}: {shown}", uri=os.fspath(uri), key=str(first))
     _as_if_from(model, config_dir, os.fspath(uri))
     return model.eval()
 

@@ -66,6 +66,7 @@ set once per streamer, before its first filesystem submission. We call it instea
 ``RUNAI_STREAMER_FS_STRATEGY`` into ``os.environ``: it is scoped to our streamer, so nothing
 process-wide changes and nothing needs restoring."""
 
+
 def installed_versions() -> dict[str, str | None]:
     """The installed version of each of :data:`DISTRIBUTIONS` (``None`` when missing)."""
     versions: dict[str, str | None] = {}

@@ -90,7 +90,9 @@ def _for_target(settings: Settings) -> dict[str, int | None]:
     return {
         "RUNAI_STREAMER_OBJ_CONCURRENCY": wanted.obj_concurrency,
         "RUNAI_STREAMER_S3_TARGET_GBPS": wanted.s3_target_gbps,
-        "RUNAI_STREAMER_CHUNK_BYTESIZE": None if str(wanted.chunk_bytes) == READ_PARALLELISM_DEFAULTS["RUNAI_STREAMER_CHUNK_BYTESIZE"] else wanted.chunk_bytes,
+        "RUNAI_STREAMER_CHUNK_BYTESIZE": None
+        if str(wanted.chunk_bytes) == READ_PARALLELISM_DEFAULTS["RUNAI_STREAMER_CHUNK_BYTESIZE"]
+        else wanted.chunk_bytes,
     }
 
 

@@ -234,9 +234,7 @@ class NativeReader:
                 continue
             if raw is None:
                 self._abort_all()
-                raise StorageError(
-                    f"Run:ai reader finished with {self.outstanding} answers still owed"
-                )
+                raise StorageError(f"Run:ai reader finished with {self.outstanding} answers still owed")
             return raw
 
     def _resolve(self, code: int, submission_id: int, file_index: int, range_index: int, done: bool) -> RangeResult:
@@ -258,9 +256,7 @@ class NativeReader:
             del self._live[submission_id]
         error = None
         if code != ResponseCode.SUCCESS:
-            error = _STORAGE_ERRORS[code](
-                f"{read.where(file.path)}: {self._describe(code)}", uri=file.path
-            )
+            error = _STORAGE_ERRORS[code](f"{read.where(file.path)}: {self._describe(code)}", uri=file.path)
         return RangeResult(submission_id, file_index, range_index, file.path, read, done, error)
 
     def _abort_all(self) -> None:
