@@ -88,7 +88,9 @@ def copies(host: torch.Tensor, stream: torch.cuda.Stream, chunk: int = 32 * MIB)
     return a.elapsed_time(b) / 1e3, dst
 
 
-def staged(array: np.ndarray, threads: int, slot_mib: int, pool: ThreadPoolExecutor, ring: list[torch.Tensor]) -> tuple[float, torch.Tensor]:
+def staged(
+    array: np.ndarray, threads: int, slot_mib: int, pool: ThreadPoolExecutor, ring: list[torch.Tensor]
+) -> tuple[float, torch.Tensor]:
     n = array.nbytes
     slot = slot_mib * MIB
     dst = torch.empty(n, dtype=torch.uint8, device="cuda")
@@ -103,8 +105,10 @@ def staged(array: np.ndarray, threads: int, slot_mib: int, pool: ThreadPoolExecu
             events[i].synchronize()
         size = min(slot, n - o)
         buf = ring[i].numpy()
-        futs = [pool.submit(np.copyto, buf[p : min(p + piece, size)], array[o + p : o + min(p + piece, size)])
-                for p in range(0, size, piece)]
+        futs = [
+            pool.submit(np.copyto, buf[p : min(p + piece, size)], array[o + p : o + min(p + piece, size)])
+            for p in range(0, size, piece)
+        ]
         for f in futs:
             f.result()
         with torch.cuda.stream(stream):
