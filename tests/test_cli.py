@@ -234,6 +234,7 @@ def test_serve_startup_errors_are_one_line_exit_2_before_serving(tmp_path, args,
 def test_a_budget_of_few_slots_is_served_with_a_warning(tmp_path):
     import os
     import signal
+    import threading
     import time
 
     shm = tmp_path / "shm"
@@ -243,13 +244,19 @@ def test_a_budget_of_few_slots_is_served_with_a_warning(tmp_path):
         [*CLI, "serve", "--socket", str(sock), "--shm-dir", str(shm), "--shm-budget", "256KiB"],
         env={**os.environ, "STREAMER_SLOT_SIZE": "1MiB"}, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
+    # Stopped once it says it serves: the socket file exists a moment before that line is logged.
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+    reader.start()
     try:
         deadline = time.monotonic() + 60
-        while not sock.exists() and proc.poll() is None and time.monotonic() < deadline:
+        while not any("serving on unix socket" in line for line in lines) and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
     finally:
         proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
+        proc.wait(timeout=30)
+        reader.join(timeout=30)
+    err = "".join(lines)
     assert (
         "STREAMER_SHM_BUDGET (262144 bytes) holds fewer than 4 slots of STREAMER_SLOT_SIZE (1048576 bytes): "
         "slots shrink to 65536 bytes"
