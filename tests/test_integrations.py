@@ -86,6 +86,27 @@ def test_huggingface_model_equals_transformers_own_and_is_strict(tmp_path):
         from_pretrained(llama, stream_kwargs={"select": everything_but_norm})
 
 
+def test_huggingface_through_a_daemon_warns_of_no_budget_it_was_not_given(tmp_path, daemon, caplog):
+    """The in-process default budget is not passed through a daemon (whose own applies): no
+    "budget= applies to in-process loads only" warning for an argument the caller never gave."""
+    import logging
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    llama = tiny_llama(tmp_path / "llama")
+    d = daemon()
+    with caplog.at_level(logging.WARNING, logger="streamer_client"), warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        model = from_pretrained(llama, stream_kwargs={"socket": d.socket})
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert len(d.stats()["finished"]) == 1  # loaded through the daemon
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9]])
+    reference = AutoModelForCausalLM.from_pretrained(llama).eval()
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
 def test_huggingface_keeps_generation_config_and_names_the_uri(tmp_path):
     llama = tiny_llama_for_engines(tmp_path / "llama")
     model = from_pretrained(llama)

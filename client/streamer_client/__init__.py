@@ -187,6 +187,16 @@ def stream(
     return stream_in_process(request)
 
 
+def _daemon_serves(socket: str | os.PathLike | None = None, require: bool = False) -> bool:
+    """Whether a load with these arguments goes through a daemon (for adapters that size an
+    in-process load themselves); raises as the load would when ``require`` finds none."""
+    client = _daemon(socket, require)
+    if client is None:
+        return False
+    client.close()
+    return True
+
+
 _said_in_process_only: set[str] = set()
 
 

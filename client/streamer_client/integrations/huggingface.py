@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from .. import load_state_dict, pull_metadata
+from .. import _daemon_serves, load_state_dict, pull_metadata
 from ..errors import CheckpointError, ConfigError
 
 __all__ = ["from_pretrained", "model_class_for"]
@@ -68,7 +68,7 @@ def from_pretrained(
 
     ``model_class``: an auto class (default ``AutoModelForCausalLM``) or a concrete one.
     ``stream_kwargs`` go to :func:`streamer_client.load_state_dict` (``rank``, ``world_size``,
-    ``socket``, ``select``, ``budget``: default :data:`IN_PROCESS_BUDGET`...); other keyword
+    ``socket``, ``select``, ``budget``: default :data:`IN_PROCESS_BUDGET` in-process, the daemon's own through one...); other keyword
     arguments to transformers' ``from_pretrained`` (``dtype``, ``attn_implementation``,
     ``device_map``: that one needs accelerate, ``pip install 'streamer-client[huggingface]'``).
     """
@@ -80,7 +80,11 @@ def from_pretrained(
         )
     config_dir = pull_metadata(uri)
     cls, config = model_class_for(config_dir, model_class, trust_remote_code=trust_remote_code)
-    state_dict = load_state_dict(uri, device=device, **{"budget": IN_PROCESS_BUDGET, **(stream_kwargs or {})})
+    kwargs = dict(stream_kwargs or {})
+    # Through a daemon its own budget applies, and a budget= would only be warned of.
+    if "budget" not in kwargs and not _daemon_serves(kwargs.get("socket"), kwargs.get("require_daemon", False)):
+        kwargs["budget"] = IN_PROCESS_BUDGET
+    state_dict = load_state_dict(uri, device=device, **kwargs)
     model, info = cls.from_pretrained(
         None, config=config, state_dict=state_dict, output_loading_info=True, **from_pretrained_kwargs
     )
