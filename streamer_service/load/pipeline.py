@@ -115,14 +115,11 @@ class Pipeline:
         verify: Callable[[Batch, float | None], None] | None = None,
         *,
         in_flight: int | None = None,
-        submission_bytes: int | None = None,
     ) -> None:
         self._uri = uri
         self._limit = in_flight  # None: as many bytes as the buffers hold
-        # Bytes of one Run:ai request (a request holds whole batches, at least one).
-        self._submission_bytes = (
-            submission_bytes if submission_bytes is not None else submission_size(in_flight, local=uri.is_local)
-        )
+        # Bytes of one read request (a request holds whole batches, at least one).
+        self._submission_bytes = submission_size(in_flight, local=uri.is_local)
         self._in_flight = 0  # bytes submitted and not yet landed
         self._verify = verify
         self._reader = reader
@@ -150,7 +147,7 @@ class Pipeline:
                 if self._verify is not None and type(load.failed.error) is StorageError:
                     # Run:ai says only "file access error" for a refused, missing or changed object:
                     # one HEAD per file through the SDK says which, naming the credentials.
-                    self._verify(load.batch)
+                    self._verify(load.batch, None)  # None: a fresh HEAD
                 raise self._failure(load)
             if self._verify is not None and load.batch.ranges:
                 self._verify(load.batch, load.landed)
@@ -159,8 +156,8 @@ class Pipeline:
     def _fill(self) -> None:
         """Take buffers for the next batches while one is free and the bound allows (a batch goes
         when nothing is in flight, or when its bytes fit under ``in_flight`` with what is), and
-        submit them to Run:ai in requests of up to ``submission_bytes``: a few large requests
-        keep Run:ai's workers as busy as many small ones with less ramp-up and tail per request."""
+        submit them to the reader in requests of up to ``sizing.submission_size`` bytes: a few large
+        requests keep Run:ai's workers as busy as many small ones with less ramp-up and tail per request."""
         room = None if self._limit is None else self._limit - self._in_flight
         if self._in_flight and room is not None and room < min(self._submission_bytes, self._pending_bytes):
             return  # a request goes once a whole one fits: not one batch each time a range lands
