@@ -1,10 +1,10 @@
-"""What a fresh engine process imports for its first load, beyond torch, numpy and httpx.
+"""What a fresh engine process imports for its first load, beyond torch and numpy.
 
     python benchmarks/import_time.py [--runs 7] [--device cpu|cuda:0] [--paths in-process,daemon] [--top 20]
                                      [--baseline CHECKOUT]
 
-Each run is a new process, ``python -X importtime``, that imports torch, numpy and httpx (and,
-for a CUDA device, makes its CUDA context) as an engine has before it loads, then imports
+Each run is a new process, ``python -X importtime``, that imports torch and numpy (and, for a
+CUDA device, makes its CUDA context) as an engine has before it loads, then imports
 ``streamer_client`` and loads a 12 MB sample checkpoint with ``load_state_dict(dir, device=...)``:
 in-process (no daemon) and through a daemon this script starts (``--paths``). Every module
 imported from then on is the load's: ours (``streamer_client``, ``streamer_service``) and the
@@ -16,11 +16,18 @@ by median self time; then one row per path with our total, the other modules' to
 ``import torch`` of the same runs as the anchor (ours ÷ torch); with ``--baseline``, the same
 for another checkout's code in the same run (all ÷ baseline's; the daemon is this checkout's). Exit status 1 when this
 checkout's load imported a heavy module. Figures in docs/benchmarks.md.
+
+Two more columns say what the self times hold and miss: the time our modules spent building their
+dataclasses (``dataclasses`` generates each class's methods from source and compiles them: a
+cost of the module's own code, inside its self time), and our modules that ``-X importtime``
+does not time because ``importlib.import_module`` imported them (the entry point of the
+in-process backend, a storage backend), by count.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
@@ -41,25 +48,38 @@ HEAVY = (
     "botocore",
     "google.cloud",
     "azure",
+    "httpx",  # the client speaks HTTP with http.client
+    "httpcore",
 )
 MARK = "_import_time_mark"  # an empty module imported just before streamer_client: the line after which imports count
 
 RUN = """
-import sys, torch, numpy, httpx
+import dataclasses, json, sys, time, torch, numpy
 device = sys.argv[2]
 if device.startswith("cuda"):
     torch.zeros(1, device=device)  # the CUDA context, and torch's lazy CUDA imports, before the mark
+build, built = dataclasses._process_class, []  # the one function every @dataclass goes through
+def timed(cls, *args, **kwargs):
+    started = time.perf_counter()
+    try:
+        return build(cls, *args, **kwargs)
+    finally:
+        built.append((cls.__module__, time.perf_counter() - started))
+dataclasses._process_class = timed
 import {mark}
 import streamer_client
 state = streamer_client.load_state_dict(sys.argv[1], device=device)
 assert state
+ours = [m for m in sys.modules if m.split(".")[0] in {ours}]
+print(json.dumps({{"modules": ours, "dataclasses": [1000 * s for m, s in built if m.split(".")[0] in {ours}]}}))
 """
 LINE = re.compile(r"import time:\s+(\d+) \|\s+(\d+) \|( *)(\S+)")
 
 
-def one_run(checkpoint: Path, device: str, env: dict[str, str]) -> tuple[dict[str, tuple[float, float]], float]:
-    """``{module: (self ms, cumulative ms)}`` of what the load imported, and ``import torch`` (ms)."""
-    code = RUN.format(mark=MARK)
+def one_run(checkpoint: Path, device: str, env: dict[str, str]) -> tuple[dict[str, tuple[float, float]], float, dict]:
+    """``{module: (self ms, cumulative ms)}`` of what the load imported, ``import torch`` (ms), and
+    ``{"modules": our modules loaded, "dataclasses": ms building each of our dataclasses}``."""
+    code = RUN.format(mark=MARK, ours=OURS)
     # Run beside the checkpoint: ``-c`` puts the working directory first on the path, where a
     # checkout's packages would shadow the ones asked for.
     result = subprocess.run([sys.executable, "-X", "importtime", "-c", code, str(checkpoint), device], env=env,
@@ -69,13 +89,14 @@ def one_run(checkpoint: Path, device: str, env: dict[str, str]) -> tuple[dict[st
     rows = [(int(m[1]) / 1000, int(m[2]) / 1000, m[4]) for m in map(LINE.match, result.stderr.splitlines()) if m]
     torch_ms = next(cumulative for _, cumulative, name in rows if name == "torch")
     after = rows[next(i for i, row in enumerate(rows) if row[2] == MARK) + 1 :]
-    return {name: (self_ms, cumulative) for self_ms, cumulative, name in after}, torch_ms
+    extra = json.loads(result.stdout.strip().splitlines()[-1])
+    return {name: (self_ms, cumulative) for self_ms, cumulative, name in after}, torch_ms, extra
 
 
-def measure(checkpoint: Path, device: str, env: dict[str, str], runs: int) -> tuple[list[dict], list[float]]:
+def measure(checkpoint: Path, device: str, env: dict[str, str], runs: int) -> tuple[list[dict], list[float], list[dict]]:
     one_run(checkpoint, device, env)  # compiles and caches our bytecode: not counted
     results = [one_run(checkpoint, device, env) for _ in range(runs)]
-    return [modules for modules, _ in results], [torch_ms for _, torch_ms in results]
+    return [r[0] for r in results], [r[1] for r in results], [r[2] for r in results]
 
 
 def is_ours(name: str) -> bool:
@@ -86,7 +107,7 @@ def is_heavy(name: str) -> bool:
     return any(name == h or name.startswith(h + ".") for h in HEAVY)
 
 
-def report(path: str, runs: list[dict], torch_ms: list[float], top: int) -> dict:
+def report(path: str, runs: list[dict], torch_ms: list[float], extras: list[dict], top: int) -> dict:
     names = sorted({name for run in runs for name in run})
     median = {name: (statistics.median(run.get(name, (0, 0))[0] for run in runs),
                      statistics.median(run.get(name, (0, 0))[1] for run in runs)) for name in names}  # fmt: skip
@@ -103,9 +124,14 @@ def report(path: str, runs: list[dict], torch_ms: list[float], top: int) -> dict
     total_other = statistics.median(sum(s for n, (s, _) in run.items() if not is_ours(n)) for run in runs)
     heavy = sorted({n.split(".")[0] for run in runs for n in run if is_heavy(n)})
     others = sorted((n for n in names if not is_ours(n)), key=lambda n: -median[n][0])[:5]
+    untimed = sorted({m for extra in extras for m in extra["modules"]} - set(names))
+    if untimed:
+        print(f"not timed by -X importtime (imported by importlib.import_module): {', '.join(untimed)}")
     return {
         "path": path, "ours": total_ours, "modules": len(ours), "other": total_other, "others": others,
-        "torch": statistics.median(torch_ms), "heavy": heavy,
+        "torch": statistics.median(torch_ms), "heavy": heavy, "untimed": len(untimed),
+        "dataclasses": statistics.median(sum(extra["dataclasses"]) for extra in extras),
+        "classes": statistics.median(len(extra["dataclasses"]) for extra in extras),
     }  # fmt: skip
 
 
@@ -154,18 +180,19 @@ def main() -> int:
                 summaries[path + label] = report(path + label, *measured, args.top)
 
     print(
-        f"\nImports of a first load on {args.device}, beyond torch, numpy and httpx (median ms; python {sys.version.split()[0]}, {os.cpu_count()} CPUs)"
+        f"\nImports of a first load on {args.device}, beyond torch and numpy (median ms; python {sys.version.split()[0]}, {os.cpu_count()} CPUs)"
     )
     print(
-        "| path | ours (self) | our modules | other modules (self) | largest others | all | `import torch` | ours ÷ torch "
-        "| all ÷ baseline's | heavy imported |"
+        "| path | ours (self) | of it, our dataclasses | our modules (+ not timed) | other modules (self) | largest others "
+        "| all | `import torch` | ours ÷ torch | all ÷ baseline's | heavy imported |"
     )
-    print("| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- |")
+    print("| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- |")
     for name, s in summaries.items():
         base = summaries.get(f"{name} (baseline)")
         ratio = f"{(s['ours'] + s['other']) / (base['ours'] + base['other']):.2f}" if base else "-"
-        print(f"| {name} | {s['ours']:.1f} | {s['modules']} | {s['other']:.1f} | {', '.join(s['others']) or '-'} | "
-              f"{s['ours'] + s['other']:.1f} | {s['torch']:.0f} | {s['ours'] / s['torch']:.3f} | {ratio} | {', '.join(s['heavy']) or 'none'} |")  # fmt: skip
+        print(f"| {name} | {s['ours']:.1f} | {s['dataclasses']:.1f} ({s['classes']:.0f}) | {s['modules']} (+ {s['untimed']}) | "
+              f"{s['other']:.1f} | {', '.join(s['others']) or '-'} | {s['ours'] + s['other']:.1f} | {s['torch']:.0f} | "
+              f"{s['ours'] / s['torch']:.3f} | {ratio} | {', '.join(s['heavy']) or 'none'} |")  # fmt: skip
     return 1 if any(summaries[path]["heavy"] for path in paths) else 0
 
 

@@ -95,13 +95,15 @@ LIGHT_LOAD = textwrap.dedent(
     import gc, hashlib, importlib.abc, json, sys
     import torch, numpy, httpx
     HEAVY = tuple(json.loads(sys.argv[3]))
-    attempted = []
+    attempted, runai = [], []
 
     class RefuseHeavy(importlib.abc.MetaPathFinder):
         def find_spec(self, name, path=None, target=None):
             if any(name == h or name.startswith(h + ".") for h in HEAVY):
                 attempted.append(name)
                 raise ImportError(f"{name} imported by a rank's load")
+            if name.split(".")[0].startswith("runai_model_streamer"):
+                runai.append(name)  # recorded here: the wrapper's import takes its modules out of sys.modules again
 
     sys.meta_path.insert(0, RefuseHeavy())
     full = []
@@ -112,8 +114,10 @@ LIGHT_LOAD = textwrap.dedent(
                for n, t in state.items()}
     loaded = sorted(m for m in sys.modules if any(m == h or m.startswith(h + ".") for h in HEAVY))
     devices = sorted({str(t.device) for t in state.values()})
+    ours = sorted(m for m in sys.modules if m.split(".")[0] in ("streamer_client", "streamer_service"))
     print(json.dumps({"digests": digests, "attempted": attempted, "loaded": loaded, "devices": devices,
-                      "service": "streamer_service" in sys.modules, "full_collections": len(full)}))
+                      "service": "streamer_service" in sys.modules, "full_collections": len(full),
+                      "ours": ours, "runai": runai}))
     """
 )
 DEVICES = ["cpu", pytest.param("cuda:0", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))]
@@ -150,6 +154,44 @@ def test_a_load_through_the_daemon_imports_nothing_heavy_nor_the_service(daemon,
     assert not got["service"], "the rank fell back to loading in-process, or imported the service"
     assert got["devices"] == [device]
     assert got["digests"] == _digests(sample)
+
+
+# What a load of a local directory has no use for: our object-storage backends, the daemon's
+# client, and on a restart (the metadata cache warm) the cache's pull lock. Each reader is
+# imported by the loads it reads: Run:ai's for a CPU load (it reads into memory handed to the
+# caller, readers/choice.py), the mapped one for a CUDA load, which imports nothing of Run:ai.
+NOT_FOR_A_LOCAL_LOAD = (
+    "streamer_service.storage.s3",
+    "streamer_service.storage.gcs",
+    "streamer_service.storage.azure",
+    "streamer_service.daemon",
+    "streamer_client.connection",
+    "streamer_client.daemon",
+    "streamer_client.protocol",
+)
+OTHER_READER = {
+    "cpu": ("streamer_service.readers.mapped",),
+    "cuda:0": ("streamer_service.readers.runai.reader", "streamer_service.readers.runai.contract"),
+}
+
+
+def _among(module: str, names) -> bool:
+    return any(module == n or module.startswith(n + ".") for n in names)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_local_load_imports_its_own_reader_and_nothing_of_object_storage(sample, device):
+    env = {k: v for k, v in os.environ.items() if k != "STREAMER_SOCKET"}  # none at the default socket: in-process
+    first = _light_load(sample, device, env)  # pulls the metadata into the node cache
+    restart = _light_load(sample, device, env)  # a new process, the cache warm
+    for got in (first, restart):
+        assert got["digests"] == _digests(sample)
+        assert [m for m in got["ours"] if _among(m, NOT_FOR_A_LOCAL_LOAD + OTHER_READER[device])] == []
+        # Run:ai's object-store plugins never; its wrapper only where Run:ai reads (a CPU load).
+        assert [n for n in got["runai"] if n.split(".")[0] != "runai_model_streamer"] == []
+        assert bool(got["runai"]) == (device == "cpu")
+    assert "streamer_service.metadata.lock" in first["ours"]
+    assert "streamer_service.metadata.lock" not in restart["ours"]
 
 
 def test_every_scheme_has_a_backend():

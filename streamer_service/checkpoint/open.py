@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,7 +102,8 @@ def _load_cached(path: Path, fingerprint: str) -> Catalog | None:
 
 
 def _store(path: Path, fingerprint: str, catalog: Catalog, mode: int) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}")
+    # os.urandom: secrets.token_hex's bytes, without importing hmac on a load's path.
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{os.urandom(4).hex()}")
     try:
         write_private(tmp, json.dumps({"fingerprint": fingerprint, "catalog": catalog.to_json()}).encode(), mode)
         os.replace(tmp, path)

@@ -25,7 +25,6 @@ import fnmatch
 import json
 import logging
 import os
-import secrets
 import shutil
 import socket
 import stat
@@ -50,7 +49,6 @@ from ..access import dir_mode, file_mode
 from ..settings import Settings
 from ..storage import ObjectInfo, Storage, open_storage
 from ..uri import StorageURI, parse_uri
-from .lock import FileLock
 
 __all__ = [
     "LOADER_PATTERNS",
@@ -215,6 +213,8 @@ class MetadataCache:
         final = self.dir_for(uri)
         if (marker := self._usable(final, force, launch, stale)) is not None:
             return final, marker
+        from .lock import FileLock  # only a pull takes the lock: a cache hit does not import it
+
         try:
             self.root.mkdir(mode=self.dir_mode, parents=True, exist_ok=True)
         except OSError as exc:
@@ -279,7 +279,7 @@ class MetadataCache:
         _refuse_file_dir_clashes(paths, uri)
         self._check_sizes(files, uri)
 
-        token = f"{os.getpid()}-{secrets.token_hex(4)}"
+        token = f"{os.getpid()}-{os.urandom(4).hex()}"  # secrets.token_hex's bytes, without importing hmac
         tmp = self.root / f".tmp-{uri.cache_key}-{token}"
         try:
             self._mkdir(tmp)

@@ -2,7 +2,7 @@
 
 The load loop (``load.pipeline``) and the modes above it are typed against :class:`Reader`, never
 against an implementation; :func:`~streamer_service.readers.choice.reader_for` picks one for a load.
-Two implement it: Run:ai's native reader (:class:`~streamer_service.readers.runai.NativeReader`)
+Two implement it: Run:ai's native reader (:class:`~streamer_service.readers.runai.reader.NativeReader`)
 and the mapped reader of local files (:class:`~streamer_service.readers.mapped.MappedReader`).
 
 The contract, for every implementation:

@@ -12,7 +12,7 @@
   operator has not set Run:ai's strategy, and the bytes do not go to memory the caller keeps: an
   in-process CPU load reads with Run:ai straight into the caller's memory (a mapping would not
   be faster there, and would count the checkpoint's pages in the process's RSS while kept).
-- Everything else: Run:ai's :class:`~streamer_service.readers.runai.NativeReader`.
+- Everything else: Run:ai's :class:`~streamer_service.readers.runai.reader.NativeReader`.
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ import os
 from collections.abc import Mapping
 
 from ..uri import StorageURI
-from . import mapped
 from .base import Reader, ReaderFactory
-from .runai import BUFFERED_FS_STRATEGY, FS_STRATEGY_ENV, NativeReader
+from .runai import BUFFERED_FS_STRATEGY, FS_STRATEGY_ENV
 
 __all__ = ["fs_strategy_for", "local_reader_in_force", "open_reader", "operator_fs_strategy", "reader_for"]
 
@@ -46,6 +45,8 @@ def local_reader_in_force(local_reader: str = "mapped") -> str:
     start-up log and ``/readyz``, so that a copier that did not build is not a silent slowdown."""
     if local_reader != "mapped":
         return "runai (STREAMER_LOCAL_READER=runai)"
+    from . import mapped  # each reader is imported where it is chosen: a load imports only its own
+
     if not mapped.available():
         return "runai (the native copier is not built: reinstall streamer-service with a C compiler)"
     if operator_fs_strategy():
@@ -57,7 +58,11 @@ def reader_for(uri: StorageURI, local_reader: str = "mapped", *, into_callers_me
     """The reader of a load of ``uri`` (``local_reader``: the setting ``STREAMER_LOCAL_READER``;
     ``into_callers_memory``: the bytes land in memory handed to the caller, an in-process CPU load)."""
     if uri.is_local and not into_callers_memory and local_reader_in_force(local_reader) == "mapped":
-        return mapped.MappedReader
+        from .mapped import MappedReader
+
+        return MappedReader
+    from .runai.reader import NativeReader
+
     return NativeReader
 
 

@@ -20,6 +20,7 @@ from ...sizing import ReadParallelism, in_flight_bytes, slot_bytes
 from ...uri import Scheme, StorageURI
 
 __all__ = [
+    "BUFFERED_FS_STRATEGY",
     "ENVIRONMENT",
     "OBJECT_STORE",
     "FS_STRATEGY_ENV",
@@ -33,6 +34,19 @@ __all__ = [
 FS_STRATEGY_ENV = "RUNAI_STREAMER_FS_STRATEGY"
 """Run:ai's own variable for its filesystem strategy. When the operator sets it, it wins
 (``readers.choice.fs_strategy_for``)."""
+
+# Run:ai 0.17.0 defaults to "io_uring_direct,libaio_direct,sync_buffered": O_DIRECT, which bypasses
+# the page cache. Checkpoints are usually read from a cache that was just filled (a download, a
+# previous load, a local NVMe copy), so buffered reads win: 6.24 vs 1.1 GB/s on the H200 machine
+# (docs/architecture.md), 12 vs 3 GB/s here with a warm 1 GB file.
+#
+# Not io_uring_buffered, although it faulted fresh buffers in ~4x faster here: after a load through
+# it, a large write of the same process to a pipe was cut short (8 of 30 runs printed a truncated
+# 2 MB line to a subprocess pipe with exit code 0; 0 of 30 with sync_buffered). Losing a user's
+# output silently is not a price for speed. tests/test_engine.py::test_process_output_survives_a_load
+# guards it. Which loads ask for it, and that RUNAI_STREAMER_FS_STRATEGY wins when the operator set
+# it, is decided in one place: readers/choice.py.
+BUFFERED_FS_STRATEGY = "sync_buffered"
 
 
 def storage_environment(settings: Settings) -> dict[str, str]:
