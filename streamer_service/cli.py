@@ -83,9 +83,10 @@ def _startup_error(args: argparse.Namespace, message: str, exc: BaseException) -
 
 
 def cmd_health(args: argparse.Namespace) -> int:
-    # A probe runs every few seconds in every pod: plain httpx, no torch import (the client's is heavy).
+    # A probe runs every few seconds in every pod: the client's connection alone, no torch import.
     # Cheaper still for kubelet: an httpGet probe on the metrics listener's /healthz (docs/deploy.md).
-    import httpx
+    from streamer_client.connection import DaemonClient
+    from streamer_client.errors import DaemonError
 
     settings = _settings(args)
     path = Path(settings.socket) if settings.socket else DEFAULT_SOCKET
@@ -97,14 +98,15 @@ def cmd_health(args: argparse.Namespace) -> int:
         json_lines = (args.log_format or settings.log_format) == "json"
         return _error(f"streamer-service health: error: {message}", EXIT_ERROR, json_lines=json_lines, command="health")
 
+    client = DaemonClient(path, connect_timeout_s=5.0)
     try:
-        with httpx.Client(transport=httpx.HTTPTransport(uds=str(path)), base_url="http://daemon", timeout=5) as client:
-            reply = client.get(route)
-    except httpx.HTTPError as exc:
+        status, body = client.get(route)
+    except DaemonError as exc:
         return unhealthy(f"no daemon answers at {path}: {exc}")
-    if reply.status_code != 200:
-        return unhealthy(f"{route} answered {reply.status_code}", http_status=reply.status_code)
-    body = reply.json()
+    finally:
+        client.close()
+    if status != 200:
+        return unhealthy(f"{route} answered {status}", http_status=status)
     print(json.dumps({**body, "socket": str(path)}) if args.json else body.get("status"))
     return EXIT_OK
 

@@ -2,7 +2,7 @@
 
 One helper for the CLI (``pull``, ``demo``) and the client (``stream(..., progress=True)``).
 tqdm is a dependency of streamer-service but not of streamer-client (rank containers install
-only torch, numpy and httpx, DESIGN §5): it is imported only when a bar is asked for, and a
+only torch and numpy): it is imported only when a bar is asked for, and a
 client asked for one without tqdm installed gets a :class:`ConfigError` saying what to install
 rather than a silent no-op.
 

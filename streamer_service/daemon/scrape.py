@@ -24,9 +24,8 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import httpx
-
-from streamer_client.errors import ConfigError
+from streamer_client.connection import DaemonClient
+from streamer_client.errors import ConfigError, DaemonError
 
 from .metrics import CONTENT_TYPE
 
@@ -70,21 +69,22 @@ class MetricsListener:
 
 
 def _handler(render: Callable[[], bytes | None], api_socket: Path) -> type[BaseHTTPRequestHandler]:
-    transport = httpx.HTTPTransport(uds=str(api_socket))
-
     def readiness() -> tuple[int, dict]:
+        # A connection per scrape: scrapes come further apart than the API keeps one open idle.
+        client = DaemonClient(api_socket, connect_timeout_s=_HEALTH_TIMEOUT_S)
         try:
-            with httpx.Client(transport=transport, base_url="http://daemon", timeout=_HEALTH_TIMEOUT_S) as client:
-                reply = client.get("/readyz")
-        except httpx.HTTPError as exc:
+            status, reply = client.get("/readyz")
+        except DaemonError as exc:
             return 503, {"status": "unavailable", "error": f"the API on {api_socket} does not answer: {exc}"}
-        if reply.status_code != 200:
-            body = {"status": "unavailable", "error": f"/readyz on {api_socket} answered {reply.status_code}"}
-            with contextlib.suppress(ValueError, AttributeError):
-                if reasons := reply.json().get("reasons"):  # not ready: why (the reaper, the shm room, stopping)
+        finally:
+            client.close()
+        if status != 200:
+            body = {"status": "unavailable", "error": f"/readyz on {api_socket} answered {status}"}
+            with contextlib.suppress(AttributeError):
+                if reasons := reply.get("reasons"):  # not ready: why (the reaper, the shm room, stopping)
                     body["reasons"] = reasons
             return 503, body
-        return 200, {"status": reply.json().get("status", "ready")}
+        return 200, {"status": reply.get("status", "ready")}
 
     class Handler(BaseHTTPRequestHandler):
         server_version = "streamer-service-metrics"
