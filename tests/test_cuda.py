@@ -426,15 +426,15 @@ def _slow_copies(monkeypatch, cycles: int = 20_000_000) -> None:
     """Delay every batch's copies on the copy stream (~10 ms): a buffer recycled before its copies
     completed is overwritten by the next read before the DMA reads it; a consumer stream that did
     not wait reads the result before it is written."""
-    original = PinnedCopier.copy_into  # every copy, whole tensors and the parts of oversized ones
+    original = PinnedCopier.copy_pieces  # every copy, whole tensors and the parts of oversized ones
 
-    def copy_into(self, host, out, offset):
+    def copy_pieces(self, host, pieces):
         if not self._issued:
             with torch.cuda.stream(self.stream):
                 torch.cuda._sleep(cycles)
-        return original(self, host, out, offset)
+        return original(self, host, pieces)
 
-    monkeypatch.setattr(PinnedCopier, "copy_into", copy_into)
+    monkeypatch.setattr(PinnedCopier, "copy_pieces", copy_pieces)
 
 
 @pytest.mark.gpu

@@ -135,3 +135,41 @@ def test_cuda_loads_through_a_daemon_are_byte_exact_staged_or_pinned(sample, dae
         assert segments and not pinned_segments and delivery.staging_pinned()
     segment_maps(d.shm_dir).close()
     assert set(registered_ranges()) - before <= {b.ctypes.data for b in delivery._RING._slots or []}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or not copier.available(), reason="needs CUDA and the native copier")
+def test_staged_windows_are_byte_exact_and_a_source_cut_short_names_its_item(tmp_path):
+    """Items crossing the staging ring's windows (one window filled while the one before is queued
+    to the device); a source truncated under its mapping fails its item and leaves the ring whole."""
+    import mmap
+
+    from streamer_client.cuda import PinnedCopier
+
+    window = delivery.STAGING_SLOT_BYTES
+    size = 2 * window + window // 2
+    data = np.random.default_rng(7).integers(0, 256, size, dtype=np.uint8)
+    path = tmp_path / "source"
+    path.write_bytes(data.tobytes())
+    with open(path, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
+    array = np.frombuffer(mapping, dtype=np.uint8)
+    cuts = [0, 1000, 1000 + window, size - 7, size]  # item 2 runs from the second window into the third
+    items = [(array.ctypes.data + a, "U8", (b - a,)) for a, b in zip(cuts, cuts[1:])]
+    pinned = PinnedCopier("cuda:0")
+    staging = delivery.Staging(pinned)
+    try:
+        outs = staging.copy(items, lambda i: DaemonError(f"item {i} was cut short"))
+        torch.cuda.synchronize()
+        assert b"".join(t.cpu().numpy().tobytes() for t in outs) == data.tobytes()
+        os.truncate(path, 2 * window)  # the third window's sources are gone
+        with pytest.raises(DaemonError, match=r"^item 2 was cut short$"):
+            staging.copy(items, lambda i: DaemonError(f"item {i} was cut short"))
+        outs = staging.copy(items[:2], lambda i: DaemonError(f"item {i} was cut short"))  # the ring is whole
+        torch.cuda.synchronize()
+        assert b"".join(t.cpu().numpy().tobytes() for t in outs) == data[: cuts[2]].tobytes()
+    finally:
+        staging.close()
+        pinned.close()
+        del array, items
+        mapping.close()

@@ -257,27 +257,41 @@ class PinnedCopier:
         """Queue the copy of ``host`` 's bytes into bytes ``[offset, offset + len(host))`` of ``out``
         (a tensor from :meth:`empty`): a tensor larger than any host buffer arrives in parts. Same
         rules as :meth:`copy`: use ``out`` after :meth:`fence`, keep ``host`` until the copy completed."""
+        _check_host(host, host.numel())
+        self.copy_pieces(host, [(0, host.numel(), out, offset)])
+
+    def copy_pieces(self, host: torch.Tensor, pieces: Sequence[tuple[int, int, torch.Tensor, int]]) -> None:
+        """Queue, for each ``(at, nbytes, out, offset)``, the copy of ``host[at : at + nbytes]`` into
+        bytes ``[offset, offset + nbytes)`` of ``out``: one window of a staging buffer, its pieces
+        going to several tensors, queued with one pass over the stream. Rules of :meth:`copy_into`."""
         if self._closed:
             raise RuntimeError("PinnedCopier is closed")
-        nbytes = host.numel()
-        target = out.reshape(-1).view(torch.uint8)[offset : offset + nbytes]
-        _check_host(host, target.numel())
-        if nbytes == 0:
+        if not pieces:
             return
         if not self._issued:
             # The allocator may have handed us a block whose last user is still queued on the
             # consumer's stream: copy only after that work.
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             self._issued = True
+        total = 0
         with torch.cuda.stream(self.stream):
-            target.copy_(host, non_blocking=True)
+            for at, nbytes, out, offset in pieces:
+                if at < 0 or nbytes < 0 or at + nbytes > host.numel() or offset < 0 or offset + nbytes > out.nbytes:
+                    raise ValueError(
+                        f"copy of host bytes [{at}, {at + nbytes}) of {host.numel()} into bytes "
+                        f"[{offset}, {offset + nbytes}) of a {out.nbytes}-byte tensor is out of bounds"
+                    )
+                if nbytes:
+                    target = out.reshape(-1).view(torch.uint8)[offset : offset + nbytes]
+                    target.copy_(host[at : at + nbytes], non_blocking=True)
+                    total += nbytes
         stats = self._stats
-        stats.copies += 1
-        stats.bytes += nbytes
-        if self.pinner.is_pinned(host.data_ptr(), nbytes):
-            stats.pinned_bytes += nbytes
+        stats.copies += len(pieces)
+        stats.bytes += total
+        if self.pinner.is_pinned(host.data_ptr(), host.numel()):
+            stats.pinned_bytes += total
         else:
-            stats.pageable_bytes += nbytes
+            stats.pageable_bytes += total
 
     def fence(self) -> Fence:
         """Mark the copies issued so far: the current stream waits for them (no host blocking).

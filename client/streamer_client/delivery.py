@@ -190,6 +190,7 @@ class Staging:
         except BaseException:
             self._finish()
             raise
+        self._filling: tuple | None = None  # (slot, copier ticket, window, offsets): copying into a slot
         self._closed = False
 
     def copy(self, items: Sequence[tuple[int, str, Sequence[int]]], fault: Callable[[int], BaseException]) -> list[torch.Tensor]:
@@ -201,43 +202,77 @@ class Staging:
         outs = [self._pinned.empty(torch_dtype(dtype), shape) for _, dtype, shape in items]
         window: list[tuple[int, int, int, int]] = []  # (item, source address, nbytes, offset in the tensor)
         filled = 0
-        for i, ((address, _, _), out) in enumerate(zip(items, outs)):
-            nbytes, done = out.numel() * out.element_size(), 0
-            while done < nbytes:
-                n = min(nbytes - done, self._ring.slot_bytes - filled)
-                window.append((i, address + done, n, done))
-                filled += n
-                done += n
-                if filled == self._ring.slot_bytes:
-                    self._send(window, outs, fault)
-                    window, filled = [], 0
-        if window:
-            self._send(window, outs, fault)
+        try:
+            for i, ((address, _, _), out) in enumerate(zip(items, outs)):
+                nbytes, done = out.numel() * out.element_size(), 0
+                while done < nbytes:
+                    n = min(nbytes - done, self._ring.slot_bytes - filled)
+                    window.append((i, address + done, n, done))
+                    filled += n
+                    done += n
+                    if filled == self._ring.slot_bytes:
+                        self._fill(window, outs, fault)
+                        window, filled = [], 0
+            if window:
+                self._fill(window, outs, fault)
+            self._send(outs, fault)  # the last window: its sources are read before this returns
+        except BaseException:
+            self._abandon()
+            raise
         return outs
 
-    def _send(self, window: list[tuple[int, int, int, int]], outs: list[torch.Tensor], fault) -> None:
+    def _fill(self, window: list[tuple[int, int, int, int]], outs: list[torch.Tensor], fault) -> None:
+        """Start copying ``window`` into a free slot on the copier's threads; while they copy, queue
+        the device copies of the window filled before it (the host's work overlaps the copying)."""
         pinned = self._pinned
         while not self._free:
-            pinned.wait_one()  # the oldest window's copies completed: its slot is free again
+            # The oldest window's device copies completed: its slot is free again. (Three slots, at
+            # most one being filled: another one is always free or on its way back.)
+            if not pinned.wait_one():
+                raise RuntimeError("staging bug: no free slot and no device copy to wait for")
         slot = self._free.pop()
         offsets, at = [], 0
         for _, _, n, _ in window:
             offsets.append(at)
             at += n
         base = slot.ctypes.data
+        dsts, srcs, sizes = [base + o for o in offsets], [src for _, src, _, _ in window], [n for _, _, n, _ in window]
         if copier.available():
-            failed = copier.copy([base + o for o in offsets], [src for _, src, _, _ in window], [n for _, _, n, _ in window])
+            ticket = copier.submit(dsts, srcs, sizes)
         else:
-            failed = -1
-            for o, (_, src, n, _) in zip(offsets, window):
-                _memmove(base + o, src, n)
+            ticket = None
+            for dst, src, n in zip(dsts, srcs, sizes):
+                _memmove(dst, src, n)
+        previous, self._filling = self._filling, (slot, ticket, window, offsets)
+        if previous is not None:
+            self._queue(previous, outs, fault)
+
+    def _send(self, outs: list[torch.Tensor], fault) -> None:
+        """Queue the device copies of the window being filled, if any."""
+        filling, self._filling = self._filling, None
+        if filling is not None:
+            self._queue(filling, outs, fault)
+
+    def _queue(self, filling, outs: list[torch.Tensor], fault) -> None:
+        """Wait for a filled window's host copies, then queue its device copies."""
+        slot, ticket, window, offsets = filling
+        failed = copier.wait(ticket) if ticket is not None else -1
         if failed >= 0:
             self._free.append(slot)
             raise fault(window[failed][0])
-        host = torch.from_numpy(slot)
-        for o, (i, _, n, start) in zip(offsets, window):
-            pinned.copy_into(host[o : o + n], outs[i], start)
+        pinned = self._pinned
+        pinned.copy_pieces(torch.from_numpy(slot), [(o, n, outs[i], start) for o, (i, _, n, start) in zip(offsets, window)])
         pinned.release_after(lambda: self._free.append(slot), pinned.fence())
+
+    def _abandon(self) -> None:
+        """A copy failed: wait for the window still being filled (its threads write into a slot of
+        ours and read sources the caller may free once we raise) and take its slot back."""
+        filling, self._filling = self._filling, None
+        if filling is not None:
+            slot, ticket, _, _ = filling
+            if ticket is not None:
+                copier.wait(ticket)
+            self._free.append(slot)
 
     def close(self) -> None:
         """Wait for every copy out of the ring, then give the ring back. Idempotent."""

@@ -358,49 +358,48 @@ class _Stream:
             self._oversized = None
 
     def _deliver_to_device(self, load: Load) -> Iterator[tuple[str, torch.Tensor]]:
-        """Queue every copy of the batch, fence them, hand the slot back once they completed."""
+        """Queue every copy of the batch in one pass, fence them, hand the slot back once they completed."""
         copier = self._copier
-        if load.buffer is not None:
-            self._ring.pool.pin(load.buffer, self._device)  # once per slot and process: a lookup after that
-        copies: deque[tuple[str, torch.Tensor]] = deque()
+        done: list[tuple[str, torch.Tensor]] = []
+        pieces: list[tuple[int, int, torch.Tensor, int]] = []  # (offset in the buffer, bytes, tensor, offset in it)
         for placement in load.batch.placements:
+            info = placement.tensor
+            if load.buffer is None:  # empty tensors: no bytes were read
+                done.append((info.name, delivery.empty(info.dtype, info.shape, self._device)))
+                continue
             if isinstance(placement, Part):
-                tensor = self._copy_part(load, placement)
-                if tensor is not None:  # its last part
-                    copies.append((placement.tensor.name, tensor))
+                if placement.start == 0:
+                    self._partial = copier.empty(torch_dtype(info.dtype), info.shape)
+                pieces.append((placement.buffer_offset, placement.nbytes, self._partial, placement.start))
+                if placement.last:  # the tensor is yielded with its last part
+                    done.append((info.name, self._partial))
+                    self._partial = None
             else:
-                copies.append((placement.tensor.name, self._materialize(load, placement)))
+                out = copier.empty(torch_dtype(info.dtype), info.shape)
+                pieces.append((placement.buffer_offset, info.nbytes, out, 0))
+                done.append((info.name, out))
+        if pieces:
+            self._ring.pool.pin(load.buffer, self._device)  # once per slot and process: a lookup after that
+            copier.copy_pieces(torch.from_numpy(load.buffer.array), pieces)
+            self._stats.bytes_copied += sum(n for _, n, _, _ in pieces)
+            pieces.clear()
         fence = copier.fence()  # the caller's stream waits for these copies; the host does not
         if load.token is not None:
             copier.release_after(functools.partial(self._ring.release, load.token, None), fence)
+        copies = deque(done)
+        done.clear()
         while copies:
             name, tensor = copies.popleft()
             self._stats.tensors += 1
             yield name, tensor
             del tensor
 
-    def _copy_part(self, load: Load, part: Part) -> torch.Tensor | None:
-        """Queue one part's copy to its place in the device tensor; the tensor with its last part."""
-        info = part.tensor
-        if part.start == 0:
-            self._partial = self._copier.empty(torch_dtype(info.dtype), info.shape)
-        view = load.buffer.view(part.buffer_offset, part.nbytes)
-        self._copier.copy_into(torch.from_numpy(view), self._partial, part.start)
-        self._stats.bytes_copied += part.nbytes
-        if not part.last:
-            return None
-        tensor, self._partial = self._partial, None
-        return tensor
-
     def _materialize(self, load: Load, placement: Placement) -> torch.Tensor:
+        """A CPU tensor of ``placement`` (device loads: :meth:`_deliver_to_device`)."""
         info = placement.tensor
         if load.buffer is None:  # empty tensor: no bytes were read
             return delivery.empty(info.dtype, info.shape, self._device)
         view = load.buffer.view(placement.buffer_offset, info.nbytes)
-        if self._copier is not None:
-            # Queued on the copier's stream; the buffer is kept until the batch's fence completes.
-            self._stats.bytes_copied += info.nbytes
-            return delivery.to_device(self._copier, view, info.dtype, info.shape)
         if self._borrowed and load.batch.kind is not BatchKind.OVERSIZED:
             tensor, self._in_hand = delivery.lend(load.token.leases, info.name, view, info.dtype, info.shape)
             return tensor
