@@ -332,7 +332,11 @@ def test_tcp_without_a_token_refuses_to_start(tmp_path):
 def test_segments_are_reused_across_sessions_then_trimmed(sample, daemon):
     # The second rank process is started (torch imported) before the first load ends and waits
     # for "go": on a loaded machine its start-up alone outlasted the idle time (issue 13.7's kind).
-    d = daemon({"STREAMER_SEGMENT_IDLE_S": "10", "STREAMER_SLOT_SIZE": "4MiB"}, "--shm-budget", "16MiB")
+    # No standing ring (tests/test_first_load.py has it): every idle segment goes once idle.
+    d = daemon(
+        {"STREAMER_SEGMENT_IDLE_S": "10", "STREAMER_SLOT_SIZE": "4MiB", "STREAMER_SEGMENT_PREPARE": "false"},
+        "--shm-budget", "16MiB",
+    )  # fmt: skip
     names = [t.name for t in _catalog(sample).tensors]
     waiting = d.start_rank(str(sample), 0, 1, sample, names, RANK_AWAIT_GO="1", STREAMER_LAUNCH_ID="second")
     assert waiting.stderr.readline().strip() == "ready"

@@ -179,3 +179,33 @@ def test_no_segment_is_made_ahead_when_none_may_stay_idle(node):
     _load(node, pool)
     assert not any(name.startswith("segment-maker") for name in node.store.made_by)
     assert pool.budget.in_use == 0 and list(node.shm.iterdir()) == []
+
+
+def test_the_standing_ring_stays_idle_for_good_and_only_what_a_load_grew_past_it_goes(node):
+    pool = node.pool(6 * SLOT, idle_s=5)
+    pool.start_preparing(SLOT, 2, standing=True)
+    _prepared(pool)
+    standing = {p.name for p in node.shm.iterdir()}
+    started = time.monotonic()
+    taken = [pool.take(SLOT) for _ in range(4)]  # a load's ring: the two standing segments and two new
+    assert pool.reused == 2 and None not in taken and len(list(node.shm.iterdir())) == 4
+    for segment, reservation in taken:
+        pool.give(segment, reservation, keep=True, now=started)
+    pool.trim(started + 4.9)
+    assert pool.idle == 4
+    pool.trim(started + 10**6)  # long idle: the ring's growth goes, two segments of the slot size stay
+    assert pool.idle == 2 and len(list(node.shm.iterdir())) == 2 and pool.budget.in_use == 2 * SLOT
+    again = pool.take(SLOT)  # the next load, however late, starts on allocated segments
+    assert pool.reused == 3 and again[0].name in {s.name for s, _ in taken}
+    pool.give(*again, keep=True, now=started + 10**6)
+    assert {p.name for p in node.shm.iterdir()} <= standing | {s.name for s, _ in taken}
+
+
+def test_without_a_standing_ring_every_idle_segment_goes(node):
+    pool = node.pool(4 * SLOT, idle_s=5)
+    pool.start_preparing(SLOT, 2)
+    _prepared(pool)
+    segment, reservation = pool.take(SLOT)
+    pool.give(segment, reservation, keep=True, now=time.monotonic())
+    pool.trim(time.monotonic() + 10**6)
+    assert pool.idle == 0 and list(node.shm.iterdir()) == []

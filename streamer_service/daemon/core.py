@@ -114,9 +114,11 @@ class Daemon:
         self.store.open()  # sweeps what daemons that are gone left behind
         self.pool = SegmentPool(self.store, self.budget, self.settings.segment_idle_s)
         if self.settings.segment_prepare and self.settings.segment_idle_s > 0 and not self.resident.enabled:
-            # The first load's ring, made now: a fresh daemon's first load otherwise pays the
+            # The first load's ring, made now and kept between loads: a load otherwise pays the
             # zero-fill and mapping of every segment on its own thread (docs/deploy.md).
-            self.pool.start_preparing(self.slot_size, first_ring_slots(self.budget.limit, self.slot_size, self.in_flight))
+            self.pool.start_preparing(
+                self.slot_size, first_ring_slots(self.budget.limit, self.slot_size, self.in_flight), standing=True
+            )
         if self.allow.any:
             log.warning("no --allow prefixes: this daemon will read any URI its credentials reach")
         self._reaper = threading.Thread(target=self._reap_supervised, name="reaper", daemon=True)

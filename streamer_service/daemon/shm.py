@@ -223,6 +223,12 @@ class SegmentPool:
     as a later load finds the last one's. They wait for that first load however late it comes;
     from its first request on, they are idle segments like any other. A ring that grows past
     them asks for its next slots the same way (:meth:`make_ahead`).
+
+    The standing ring (``standing=True`` when preparing): as many idle segments of that size as
+    were prepared are never trimmed, so a load that comes after a long idle spell starts on
+    segments whose pages are allocated and mapped, as the first load did (new shared memory comes
+    only as fast as the kernel zero-fills and maps it). Only what a load grew past them goes after
+    ``idle_s``; a request the budget cannot hold evicts them like any idle segment.
     """
 
     def __init__(self, store: SegmentStore, budget: ShmBudget, idle_s: float) -> None:
@@ -237,16 +243,19 @@ class SegmentPool:
         self._making_size = 0
         self._closed = False
         self._first_taken = False
+        self._standing: tuple[int, int] = (0, 0)  # (segment bytes, count) never trimmed
         self._lock = threading.Condition()
 
-    def start_preparing(self, nbytes: int, count: int) -> None:
+    def start_preparing(self, nbytes: int, count: int, *, standing: bool = False) -> None:
         """Make up to ``count`` idle segments of ``nbytes`` in the background, within the budget
         (segments of one size at a time: a call for another size while some are on their way
-        makes none)."""
+        makes none). ``standing``: keep that many of them idle for good (see the class docstring)."""
         nbytes = self.store.pages.round(nbytes)
         with self._lock:
             if self._closed or (self._making and self._making_size != nbytes):
                 return
+            if standing:
+                self._standing = (nbytes, count)
             reservations = []
             while len(reservations) < count:
                 reservation = self.budget.try_take(nbytes)
@@ -339,10 +348,16 @@ class SegmentPool:
         self.budget.give_back(reservation)
 
     def trim(self, now: float) -> None:
-        """Unlink segments idle for longer than ``idle_s`` (prepared ones wait for the first load)."""
+        """Unlink segments idle for longer than ``idle_s`` (prepared ones wait for the first load),
+        but for the standing ring's."""
         with self._lock:
+            size, count = self._standing
+            fresh = [e for e in self._idle if e[2] is None or now - e[2] < self.idle_s]
             stale = [e for e in self._idle if e[2] is not None and now - e[2] >= self.idle_s]
-            self._idle = [e for e in self._idle if e[2] is None or now - e[2] < self.idle_s]
+            stand = max(0, count - sum(e[0].nbytes == size for e in fresh))
+            kept = [e for e in stale if e[0].nbytes == size][:stand]
+            stale = [e for e in stale if not any(e is k for k in kept)]
+            self._idle = fresh + kept
         self._close(stale)
 
     def close(self) -> None:
