@@ -86,14 +86,16 @@ HEAVY = (
     "botocore",
     "google.cloud",
     "azure",
+    "httpx",
+    "httpcore",
 )
 
-# Imports after torch, numpy and httpx (what an engine process has) are watched: a heavy one is
+# Imports after torch and numpy (what an engine process has) are watched: a heavy one is
 # refused and recorded, so that one imported under ``try: ... except ImportError`` shows too.
 LIGHT_LOAD = textwrap.dedent(
     """
     import gc, hashlib, importlib.abc, json, sys
-    import torch, numpy, httpx
+    import torch, numpy
     HEAVY = tuple(json.loads(sys.argv[3]))
     attempted, runai = [], []
 
