@@ -95,3 +95,19 @@ def test_the_signal_handler_s_thread_local_needs_no_dynamic_tls_lookup():
 
     symbols = subprocess.run(["nm", "-D", "--undefined-only", module.__file__], capture_output=True, text=True, check=True).stdout
     assert "__tls_get_addr" not in symbols
+
+
+def test_a_rank_takes_its_share_of_the_hosts_cpus_for_copying(monkeypatch):
+    monkeypatch.setattr(copier, "COPY_THREADS", 12)
+    assert [copier.threads_for(ranks, 16) for ranks in (1, 2, 4, 8, 16)] == [12, 8, 4, 2, 2]
+    assert copier.threads_for(8, 128) == 12 and copier.threads_for(0, 3) == 3
+
+
+@pytest.mark.parametrize(("local_world", "shared", "ranks"), [(None, 4, 4), ("3", 2, 3), ("3", 5, 5), ("x", 1, 1)])
+def test_the_ranks_on_the_host_come_from_torchrun_or_the_daemon_session(local_world, shared, ranks):
+    env = {k: v for k, v in os.environ.items() if k != "LOCAL_WORLD_SIZE"}
+    if local_world is not None:
+        env["LOCAL_WORLD_SIZE"] = local_world
+    code = f"import streamer_client.copier as c; c.share_host({shared}); print(c._ranks_on_host)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stdout.strip()) == (0, str(ranks)), out.stderr

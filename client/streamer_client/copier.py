@@ -29,17 +29,50 @@ try:
 except ImportError:  # built without a C compiler
     _copier = None
 
-__all__ = ["CHUNK_BYTES", "COPY_THREADS", "available", "copy", "map_file", "pool", "submit", "unmap", "wait"]
+__all__ = [
+    "CHUNK_BYTES", "COPY_THREADS", "available", "copy", "map_file", "pool", "share_host", "submit", "threads_for", "unmap",
+    "wait",
+]  # fmt: skip
 
 COPY_THREADS = min(12, len(os.sched_getaffinity(0)))
-"""Copying threads of the process's pool: enough to saturate host-to-device copies on a 16-CPU
+"""Most copying threads of a process's pool: enough to saturate host-to-device copies on a 16-CPU
 host while leaving CPUs for the loading thread and the DMA completions (docs/benchmarks.md)."""
 CHUNK_BYTES = 2 * 1024 * 1024  # 1 MiB: the same within noise; 4 MiB: slower
 POLL_MS = 500  # waits return to the interpreter this often, so Ctrl-C is handled
 
+
+def threads_for(ranks: int, cpus: int) -> int:
+    """Copying threads of one of ``ranks`` processes loading at once on a host of ``cpus`` CPUs:
+    its share of the CPUs, at least two, at most :data:`COPY_THREADS` (ranks that each ran the
+    most would outnumber the cores, and a window waits for its slowest chunk)."""
+    return max(2, min(COPY_THREADS, cpus // max(1, ranks)))
+
+
+def _local_ranks() -> int:
+    try:  # torchrun's: the processes it started on this host
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+_ranks_on_host = _local_ranks()
+
+
+def share_host(ranks: int) -> None:
+    """This process is one of ``ranks`` processes loading on its host at once (a daemon session's
+    ranks, all on the daemon's node): the pool, once made, has :func:`threads_for` them. No effect
+    once the pool is made."""
+    global _ranks_on_host
+    _ranks_on_host = max(_ranks_on_host, ranks)
+
+
+def _make_pool() -> Any:
+    return _copier.pool(threads_for(_ranks_on_host, len(os.sched_getaffinity(0))), CHUNK_BYTES)
+
+
 # A forked child has none of the parent's copying threads: it makes its own pool on first use
 # (the parent's refuses to be used or stopped there, _copier.c).
-_POOL: PerProcess[Any] = PerProcess(lambda: _copier.pool(COPY_THREADS, CHUNK_BYTES))
+_POOL: PerProcess[Any] = PerProcess(_make_pool)
 
 
 def available() -> bool:

@@ -108,6 +108,7 @@ def _joined(client: DaemonClient, request: StreamRequest) -> Iterator[tuple[str,
     reply = client.call(protocol.JOIN_PATH, body.to_wire(), read_timeout=None)
     joined = JoinReply.from_wire(reply)
     shm_dir = cfg.if_given("shm_dir") or Path(joined.shm_dir)
+    copier.share_host(request.world_size)  # the session's ranks share this node's CPUs
     tensors = _Receiver(
         client,
         shm_dir,
