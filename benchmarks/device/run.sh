@@ -30,6 +30,17 @@ mkdir -p "$OUT"
 rm -rf /tmp/site
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site "${WHEELS:-.whl-cold}"/*.whl || exit 1
 export PYTHONPATH=$PWD/client:$PWD:/tmp/site${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# The checkout runs from PYTHONPATH, not installed: register its in-process backend (the client
+# finds it by its entry point) as `pip install` would.
+python3 - <<'PY' || exit 1
+import pathlib, tomllib
+points = tomllib.loads(pathlib.Path("pyproject.toml").read_text())["project"]["entry-points"]
+info = pathlib.Path("/tmp/site/streamer_service-0+checkout.dist-info")
+info.mkdir(exist_ok=True)
+(info / "METADATA").write_text("Metadata-Version: 2.1\nName: streamer-service\nVersion: 0+checkout\n")
+(info / "entry_points.txt").write_text("".join(
+    f"[{group}]\n" + "".join(f"{name} = {target}\n" for name, target in eps.items()) for group, eps in points.items()))
+PY
 # Bytecode as an installed package has it (pip compiles on install), outside the timed loads.
 python3 -m compileall -q client/streamer_client streamer_service /tmp/site >/dev/null 2>&1
 
