@@ -180,6 +180,30 @@ def test_a_local_load_reads_one_batch_a_request_whatever_its_bound(tmp_path):
     assert stats.submissions == len(batches)
 
 
+def test_the_loads_line_counts_the_time_its_version_checks_held_the_loading_thread(tmp_path):
+    src = tmp_path / "ckpt"
+    make_sharded_checkpoint(src, {f"w{i}": torch.full((64, 64), float(i)) for i in range(4)}, n_shards=1)
+    uri = parse_uri(str(src))
+    plan = build_plan(list(build_catalog(open_storage(uri, Settings())).tensors), 16 * KIB)
+    held, checked = [], []
+
+    def acquire(batch):
+        memory = torch.empty(batch.buffer_bytes, dtype=torch.uint8)
+        held.append(memory)
+        return SimpleNamespace(address=memory.data_ptr(), nbytes=memory.numel()), None
+
+    def verify(batch, landed):
+        checked.append(batch)
+        time.sleep(0.01)  # a HEAD's round trip, at least
+
+    stats = LoadStats()
+    with mapped.MappedReader() as reader:
+        loads = list(Pipeline(uri, plan, reader, acquire, stats, verify).loaded(lambda: None))
+    assert len(checked) == len(loads) == sum(1 for b in plan.batches if b.ranges) == 4
+    assert stats.verify_seconds >= 0.04
+    assert stats.describe(time.monotonic()).endswith(f"{stats.verify_seconds:.3f} s checking versions")
+
+
 def test_the_nic_rate_bounds_a_loads_bytes_in_flight():
     """The settings' path: STREAMER_TARGET_GBPS x 100 ms, at least two slots, at most the budget."""
     config = EngineConfig.from_settings(Settings(shm_budget="4GiB", slot_size="256MiB", target_gbps=100))

@@ -59,6 +59,7 @@ class LoadStats:
     last_landed: float | None = None  # ... of the last range that landed
     acquire_seconds: float = 0.0  # spent getting buffers (making a segment is the costly part)
     buffer_wait_seconds: float = 0.0  # nothing in flight and no buffer free: waiting for a release
+    verify_seconds: float = 0.0  # checking object versions, on the loading thread (nothing submitted meanwhile)
 
     @property
     def read_seconds(self) -> float:
@@ -75,7 +76,8 @@ class LoadStats:
         return (
             f"first submission after {asked:.3f} s, {self.submissions} submissions, at most {self.peak_in_flight} ({self.peak_in_flight_bytes} bytes) in flight, "
             f"first bytes after {first:.3f} s, read span {self.read_seconds:.3f} s, "
-            f"{self.acquire_seconds:.3f} s getting buffers, {self.buffer_wait_seconds:.3f} s waiting for a release"
+            f"{self.acquire_seconds:.3f} s getting buffers, {self.buffer_wait_seconds:.3f} s waiting for a release, "
+            f"{self.verify_seconds:.3f} s checking versions"
         )
 
 
@@ -150,7 +152,9 @@ class Pipeline:
                     self._verify(load.batch, None)  # None: a fresh HEAD
                 raise self._failure(load)
             if self._verify is not None and load.batch.ranges:
+                checked = time.monotonic()
                 self._verify(load.batch, load.landed)
+                self._stats.verify_seconds += time.monotonic() - checked
             yield load
 
     def _fill(self) -> None:
