@@ -355,10 +355,11 @@ class SegmentPool:
             fresh = [e for e in self._idle if e[2] is None or now - e[2] < self.idle_s]
             stale = [e for e in self._idle if e[2] is not None and now - e[2] >= self.idle_s]
             stand = max(0, count - sum(e[0].nbytes == size for e in fresh))
-            kept = [e for e in stale if e[0].nbytes == size][:stand]
-            stale = [e for e in stale if not any(e is k for k in kept)]
+            kept, gone = [], []
+            for entry in stale:
+                (kept if entry[0].nbytes == size and len(kept) < stand else gone).append(entry)
             self._idle = fresh + kept
-        self._close(stale)
+        self._close(gone)
 
     def close(self) -> None:
         with self._lock:

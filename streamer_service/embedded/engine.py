@@ -360,24 +360,24 @@ class _Stream:
     def _deliver_to_device(self, load: Load) -> Iterator[tuple[str, torch.Tensor]]:
         """Queue every copy of the batch in one pass, fence them, hand the slot back once they completed."""
         copier = self._copier
-        done: list[tuple[str, torch.Tensor]] = []
+        copies: deque[tuple[str, torch.Tensor]] = deque()
         pieces: list[tuple[int, int, torch.Tensor, int]] = []  # (offset in the buffer, bytes, tensor, offset in it)
         for placement in load.batch.placements:
             info = placement.tensor
             if load.buffer is None:  # empty tensors: no bytes were read
-                done.append((info.name, delivery.empty(info.dtype, info.shape, self._device)))
+                copies.append((info.name, delivery.empty(info.dtype, info.shape, self._device)))
                 continue
             if isinstance(placement, Part):
                 if placement.start == 0:
                     self._partial = copier.empty(torch_dtype(info.dtype), info.shape)
                 pieces.append((placement.buffer_offset, placement.nbytes, self._partial, placement.start))
                 if placement.last:  # the tensor is yielded with its last part
-                    done.append((info.name, self._partial))
+                    copies.append((info.name, self._partial))
                     self._partial = None
             else:
                 out = copier.empty(torch_dtype(info.dtype), info.shape)
                 pieces.append((placement.buffer_offset, info.nbytes, out, 0))
-                done.append((info.name, out))
+                copies.append((info.name, out))
         if pieces:
             self._ring.pool.pin(load.buffer, self._device)  # once per slot and process: a lookup after that
             copier.copy_pieces(torch.from_numpy(load.buffer.array), pieces)
@@ -386,8 +386,6 @@ class _Stream:
         fence = copier.fence()  # the caller's stream waits for these copies; the host does not
         if load.token is not None:
             copier.release_after(functools.partial(self._ring.release, load.token, None), fence)
-        copies = deque(done)
-        done.clear()
         while copies:
             name, tensor = copies.popleft()
             self._stats.tensors += 1
