@@ -22,7 +22,6 @@ in a copying thread; the copier catches it and the caller's ``fault(i)`` names t
 
 from __future__ import annotations
 
-import mmap
 import threading
 import warnings
 import weakref
@@ -34,6 +33,7 @@ import torch
 
 from . import copier
 from .dtypes import byte_view, tensor_over, torch_dtype
+from .host_memory import anonymous
 from .leases import Leases
 
 if TYPE_CHECKING:
@@ -48,7 +48,8 @@ __all__ = [
 STAGING_SLOT_BYTES = 32 * 1024 * 1024
 STAGING_SLOTS = 3
 """The staging ring: 3 x 32 MiB page-locked, InstantTensor's choice (one window filling, one or two
-copying to the device); registering it costs ~5 ms on 4 KiB pages, once per process."""
+copying to the device), made of :func:`~streamer_client.host_memory.anonymous` memory and
+registered once per process, on its first staged load."""
 
 _NATIVE_MIN_BYTES = 256 * 1024  # below this a batch is copied by numpy: no thread hand-off
 
@@ -146,7 +147,7 @@ class _StagingRing:
         if self._slots is None:
             from .pinning import HostPinner
 
-            buffers = [np.frombuffer(mmap.mmap(-1, self.slot_bytes), dtype=np.uint8) for _ in range(self._count)]
+            buffers = [anonymous(self.slot_bytes) for _ in range(self._count)]
             self._pinner = HostPinner()
             with torch.cuda.device(device):
                 self.pinned = all(self._pinner.pin(b.ctypes.data, b.nbytes) for b in buffers)

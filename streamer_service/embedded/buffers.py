@@ -27,8 +27,6 @@ What is pinned is counted (:class:`PoolStats`); the CUDA part is :class:`streame
 
 from __future__ import annotations
 
-import contextlib
-import mmap
 import threading
 import time
 from collections.abc import Callable
@@ -37,14 +35,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from streamer_client.devices import device_context
+from streamer_client.host_memory import anonymous
 from streamer_client.per_process import PerProcess
 from streamer_client.pinning import HostPinner
 
 __all__ = ["IDLE_S", "HostBuffer", "PinnedPool", "PoolStats", "pinned_pool"]
 
 IDLE_S = 30.0  # idle page-locked slots are given back after this long (a reload comes sooner)
-
-_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
 
 
 class HostBuffer:
@@ -58,18 +55,9 @@ class HostBuffer:
     __slots__ = ("array", "address", "nbytes", "__weakref__")
 
     def __init__(self, nbytes: int) -> None:
-        # Private: Python's default for anonymous maps is MAP_SHARED, i.e. shmem, which gets no
-        # transparent huge pages (shmem has its own THP switch, off by default).
-        memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if _HUGEPAGE is not None:
-            # Fresh buffers are filled only as fast as their pages fault in: ~2 GB/s here with
-            # 4 KiB pages, ~12 GB/s with transparent huge pages (safe CPU loads of 2.27 GB: 2.0 s
-            # without this advice, 0.7 s with it). numpy advises large arrays the same way, which
-            # is why Run:ai's own buffers get them. Advice only: a kernel without THP refuses it
-            # and the buffer works as before.
-            with contextlib.suppress(OSError):
-                memory.madvise(_HUGEPAGE)
-        self.array = np.frombuffer(memory, dtype=np.uint8)
+        # Private and advised for huge pages (streamer_client.host_memory): fresh buffers are
+        # filled only as fast as their pages fault in.
+        self.array = anonymous(nbytes)
         self.address = self.array.ctypes.data
         self.nbytes = nbytes
 
