@@ -178,6 +178,7 @@ def test_the_service_registers_its_in_process_backend():
     from streamer_client import in_process
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["name"] == in_process.PROVIDER  # the distribution the client looks in first
     target = project["entry-points"][in_process.GROUP][in_process.NAME]
     assert target in MODULES
     tree = ast.parse(MODULES[target].read_text())

@@ -22,10 +22,11 @@ if TYPE_CHECKING:
 
     from .request import StreamRequest
 
-__all__ = ["GROUP", "NAME", "Backend", "backend", "pull_in_process", "settings", "stream_in_process"]
+__all__ = ["GROUP", "NAME", "PROVIDER", "Backend", "backend", "pull_in_process", "settings", "stream_in_process"]
 
 GROUP = "streamer_client.backends"
 NAME = "in_process"
+PROVIDER = "streamer-service"  # the distribution that registers it
 
 # Settings fields whose public argument has another name (for error messages).
 _ARGUMENTS = {"shm_budget": "budget"}
@@ -45,10 +46,19 @@ class Backend(Protocol):
 
 @functools.cache
 def backend() -> Backend:
-    """The registered in-process backend, loaded on first use."""
-    from importlib.metadata import entry_points
+    """The registered in-process backend, loaded on first use.
 
-    found = [ep for ep in entry_points(group=GROUP) if ep.name == NAME]
+    Looked up in :data:`PROVIDER` 's metadata first (one distribution found by name), then in
+    every installed distribution's: reading all of them is a first load's cost in an
+    environment with hundreds of packages."""
+    from importlib.metadata import PackageNotFoundError, distribution, entry_points
+
+    try:
+        found = [ep for ep in distribution(PROVIDER).entry_points if ep.group == GROUP and ep.name == NAME]
+    except PackageNotFoundError:
+        found = []
+    if not found:
+        found = [ep for ep in entry_points(group=GROUP) if ep.name == NAME]
     if not found:
         raise ConfigError(
             "no streamer-service daemon is configured (STREAMER_SOCKET) and the streamer-service "
