@@ -22,7 +22,7 @@ from streamer_client.protocol import Handle
 from .process import ProcessWatch
 from .stats import RankSummary
 
-__all__ = ["RankLedger", "RankState", "RankStatus"]
+__all__ = ["UNLEASED_SHARE", "RankLedger", "RankState", "RankStatus"]
 
 
 class RankStatus(enum.Enum):
@@ -34,6 +34,9 @@ class RankStatus(enum.Enum):
 
 
 UNFINISHED = (RankStatus.LEFT, RankStatus.FAILED, RankStatus.RECLAIMED)
+
+UNLEASED_SHARE = 16
+"""A reply holds about 16 times as many bytes of memory no ring waits for as of ring slots."""
 """Ranks that did not receive everything: when they come back, they rejoin their group's load."""
 
 
@@ -125,15 +128,19 @@ class RankLedger:
 
     def take(self, state: RankState, max_handles: int, max_bytes: int) -> list[Handle]:
         """The next handles for ``state``: whole batches only (the client releases every batch of a
-        reply once consumed), about ``max_bytes`` per reply, so that a rank polls (and shows it is
-        alive) as it consumes, however much is ready."""
+        reply once consumed), about ``max_bytes`` of ring slots per reply, so that a slot goes back
+        to the ring as the rank consumes and the rank polls (and shows it is alive) meanwhile.
+        Batches no ring waits for (an earlier load's resident copy: their token is ``None``) count
+        for :data:`UNLEASED_SHARE` of their bytes: a load served from memory has everything ready
+        at once, and each reply is a round trip on the rank's loading thread."""
         handles: list[Handle] = []
         nbytes = 0
         queue = state.queue
         while queue and ((len(handles) < max_handles and nbytes < max_bytes) or queue[0].batch == handles[-1].batch):
             handle = queue.popleft()
             handles.append(handle)
-            nbytes += handle.nbytes
+            lease = self._leases.get(handle.batch)
+            nbytes += handle.nbytes if lease is None or lease[1] is not None else handle.nbytes // UNLEASED_SHARE
             state.delivered_bytes += handle.nbytes
         state.to_hand_out -= len(handles)
         return handles
