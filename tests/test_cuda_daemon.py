@@ -124,7 +124,7 @@ RELOAD = CHECK + textwrap.dedent(
     uri = sys.argv[1]
     maps = segment_maps(os.environ["STREAMER_SHM_DIR"])
     out = []
-    for launch in ("cold", "warm"):
+    for launch in ("cold", "warm", "again"):
         n, bad = check(uri, streamer_client.stream(uri, device="cuda:0", launch_id=launch), "cuda:0")
         s = maps.stats
         out.append({"n": n, "bad": bad, "mapped": s.mapped, "pinned": s.pinned, "reused": s.reused})
@@ -134,18 +134,20 @@ RELOAD = CHECK + textwrap.dedent(
 
 
 def test_a_reload_in_the_same_process_pins_nothing_again(big_checkpoint, tmp_path):
-    """Pin once per process: the warm reload copies out of the segments the cold load registered."""
+    """STREAMER_PIN_SEGMENTS=auto: a process's first load stages (pins no segment), its second
+    page-locks the resident segments it sees again, and a third maps and pins nothing anew."""
     d = DaemonProcess(tmp_path, {}, "--shm-budget", "1GiB", "--retention-budget", "4GiB").start()
     try:
         p = subprocess.run([sys.executable, "-c", RELOAD, str(big_checkpoint)], env=d.rank_env(),
                            capture_output=True, text=True, timeout=600)  # fmt: skip
         assert p.returncode == 0, p.stderr[-3000:]
-        cold, warm = json.loads(p.stdout.strip().splitlines()[-1])
-        assert cold["bad"] == [] == warm["bad"] and cold["n"] == warm["n"] == 49, (cold, warm)
-        assert cold["pinned"] > 0
-        assert (warm["mapped"], warm["pinned"]) == (cold["mapped"], cold["pinned"])  # nothing mapped or pinned again
-        assert warm["reused"] - cold["reused"] >= cold["pinned"]
-        assert d.finished(2)[-1]["bytes_read"] == 0
+        cold, warm, again = json.loads(p.stdout.strip().splitlines()[-1])
+        assert cold["bad"] == warm["bad"] == again["bad"] == [] and cold["n"] == warm["n"] == again["n"] == 49
+        assert cold["pinned"] == 0 and warm["pinned"] > 0
+        assert warm["mapped"] == cold["mapped"]  # the resident copy: the segments the first load mapped
+        assert (again["mapped"], again["pinned"]) == (warm["mapped"], warm["pinned"])  # nothing mapped or pinned again
+        assert again["reused"] - warm["reused"] >= warm["pinned"]
+        assert d.finished(3)[-1]["bytes_read"] == 0
     finally:
         d.stop()
     assert list(d.shm_dir.iterdir()) == []
