@@ -175,9 +175,9 @@ STAGES = {
     "catalog+plan": ("checkpoint.py:open_checkpoint", "versions.py:of", "engine.py:plan", "engine.py:_ring_for"),
     "join/next (daemon)": ("connection.py:call",),
     "copier wait": ("copier.py:wait",),
-    "H2D queue": ("cuda.py:copy_into",),
+    "H2D queue": ("cuda.py:copy_into", "cuda.py:copy_pieces"),
     "torch.empty": ("cuda.py:empty", "delivery.py:empty"),
-    "registration": ("cuda.py:pin", "segments.py:pinned"),
+    "registration": ("cuda.py:register", "segments.py:pinned"),
     "fence/drain": ("cuda.py:wait_one", "cuda.py:drain"),
     "unmap": ("copier.py:unmap",),
     "synchronize": ("__init__.py:synchronize",),
@@ -216,6 +216,7 @@ def profiled(kind: str, args, session: str):
         split[stage] = round(seconds, 4)
     text = io.StringIO()
     pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(45)
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(25)
     if args.profile_out:
         Path(args.profile_out).write_text(text.getvalue())
     return start, end, first, state, split
