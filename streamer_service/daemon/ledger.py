@@ -34,10 +34,10 @@ class RankStatus(enum.Enum):
 
 
 UNFINISHED = (RankStatus.LEFT, RankStatus.FAILED, RankStatus.RECLAIMED)
+"""Ranks that did not receive everything: when they come back, they rejoin their group's load."""
 
 UNLEASED_SHARE = 16
 """A reply holds about 16 times as many bytes of memory no ring waits for as of ring slots."""
-"""Ranks that did not receive everything: when they come back, they rejoin their group's load."""
 
 
 @dataclass(eq=False)
