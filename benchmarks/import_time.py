@@ -37,6 +37,7 @@ import tempfile
 from pathlib import Path
 
 OURS = ("streamer_client", "streamer_service")
+# What a rank's first load must not import: reported here, refused by tests/test_imports.py.
 HEAVY = (
     "pydantic",
     "pydantic_settings",

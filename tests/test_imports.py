@@ -12,10 +12,14 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
 from checkpoints import ground_truth, tensor_bytes
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from import_time import HEAVY  # noqa: E402  (what a rank's load must not import; the benchmark reports it too)
 
 BLOCK_TORCH = textwrap.dedent(
     """
@@ -74,21 +78,6 @@ def test_pulling_metadata_in_process_does_not_import_torch(sample, tmp_path):
     )
     assert (result.returncode, result.stdout.strip()) == (0, "ok"), result.stderr[-3000:]
 
-
-HEAVY = (
-    "pydantic",
-    "pydantic_settings",
-    "pydantic_core",
-    "fastapi",
-    "starlette",
-    "uvicorn",
-    "boto3",
-    "botocore",
-    "google.cloud",
-    "azure",
-    "httpx",
-    "httpcore",
-)
 
 # Imports after torch and numpy (what an engine process has) are watched: a heavy one is
 # refused and recorded, so that one imported under ``try: ... except ImportError`` shows too.
