@@ -175,9 +175,11 @@ STAGES = {
     "catalog+plan": ("checkpoint.py:open_checkpoint", "versions.py:of", "engine.py:plan", "engine.py:_ring_for"),
     "join/next (daemon)": ("connection.py:call",),
     "copier wait": ("copier.py:wait",),
-    "H2D queue": ("cuda.py:copy_into", "cuda.py:copy_pieces"),
+    "H2D queue": ("cuda.py:copy_pieces",),  # every device copy is queued there (copy_into too)
     "torch.empty": ("cuda.py:empty", "delivery.py:empty"),
-    "registration": ("cuda.py:register", "segments.py:pinned"),
+    # Registrations on the loading thread (the staging ring, the engine's slots, PinnedCopier.register)
+    # all reach host_register; a segment's is made on a worker thread and waited for in pinned.
+    "registration": ("pinning.py:host_register", "segments.py:pinned"),
     "fence/drain": ("cuda.py:wait_one", "cuda.py:drain"),
     "unmap": ("copier.py:unmap",),
     "synchronize": ("__init__.py:synchronize",),
