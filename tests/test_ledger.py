@@ -16,14 +16,16 @@ def _batch(index: int, tensors: int) -> list[Handle]:
     return [Handle(index, f"seg-{index}", i * size, size, f"t{index}.{i}", "uint8", (size,), False) for i in range(tensors)]
 
 
-def _published(tensors: int, count: int, token) -> tuple[RankLedger, object]:
-    """A ledger with one rank and ``count`` batches of ``tensors`` tensors published to it."""
+def _published(tensors: int, count: int, *, ring: bool) -> tuple[RankLedger, object]:
+    """A ledger with one rank and ``count`` batches of ``tensors`` tensors published to it: each in
+    a ring slot of its own (``ring``: the ring waits for its release), or in an earlier load's
+    resident copy (token ``None``: the copy owns the memory)."""
     ledger = RankLedger()
     batches = [_batch(i, tensors) for i in range(count)]
     names = frozenset(h.name for b in batches for h in b)
     state = ledger.add(0, names, count * SLOT, tensors * count, None, 0.0)
     for i, handles in enumerate(batches):
-        ledger.publish(i, handles, token() if callable(token) else token)
+        ledger.publish(i, handles, object() if ring else None)
     return ledger, state
 
 
@@ -38,16 +40,16 @@ def _replies(ledger: RankLedger, state, tensors: int, max_bytes: int) -> list[li
 
 
 def test_a_reply_holds_about_a_slot_of_ring_batches_and_whole_batches_only():
-    ledger, state = _published(4, 4, object)  # a ring slot each: the ring waits for its release
+    ledger, state = _published(4, 4, ring=True)
     assert _replies(ledger, state, 4, SLOT) == [[0], [1], [2], [3]]
     assert state.to_hand_out == 0 and state.delivered_bytes == 4 * SLOT
 
-    ledger, state = _published(4, 4, object)
+    ledger, state = _published(4, 4, ring=True)
     assert _replies(ledger, state, 4, SLOT // 3) == [[0], [1], [2], [3]]  # past the bound: the batch stays whole
 
 
 def test_batches_no_ring_waits_for_go_many_to_a_reply():
     count = 2 * UNLEASED_SHARE
-    ledger, state = _published(2, count, None)  # an earlier load's resident copy owns the memory
+    ledger, state = _published(2, count, ring=False)
     assert _replies(ledger, state, 2, SLOT) == [list(range(UNLEASED_SHARE)), list(range(UNLEASED_SHARE, count))]
     assert ledger.release(state, range(count)) == []  # no slot to give back to a ring
