@@ -33,7 +33,7 @@ import torch
 
 from . import copier
 from .dtypes import byte_view, tensor_over, torch_dtype
-from .host_memory import anonymous
+from .host_memory import anonymous, fault_in
 from .leases import Leases
 
 if TYPE_CHECKING:
@@ -48,8 +48,8 @@ __all__ = [
 STAGING_SLOT_BYTES = 32 * 1024 * 1024
 STAGING_SLOTS = 3
 """The staging ring: 3 x 32 MiB page-locked, InstantTensor's choice (one window filling, one or two
-copying to the device), made of :func:`~streamer_client.host_memory.anonymous` memory and
-registered once per process, on its first staged load."""
+copying to the device), made of :func:`~streamer_client.host_memory.anonymous` memory, faulted in
+on the copier's threads and registered once per process, on its first staged load."""
 
 _NATIVE_MIN_BYTES = 256 * 1024  # below this a batch is copied by numpy: no thread hand-off
 
@@ -148,6 +148,7 @@ class _StagingRing:
             from .pinning import HostPinner
 
             buffers = [anonymous(self.slot_bytes) for _ in range(self._count)]
+            fault_in(buffers)
             self._pinner = HostPinner()
             with torch.cuda.device(device):
                 self.pinned = all(self._pinner.pin(b.ctypes.data, b.nbytes) for b in buffers)

@@ -1,0 +1,68 @@
+"""Buffer memory (streamer_client.host_memory): private, advised for huge pages, and faulted in on
+the copier's threads before it is page-locked. Read from the kernel's own account of the
+process's mappings (/proc/self/smaps)."""
+
+from __future__ import annotations
+
+import mmap
+
+import numpy as np
+import pytest
+
+from streamer_client import copier
+from streamer_client.host_memory import anonymous, fault_in
+
+MIB = 1024 * 1024
+
+
+def _mapping(address: int) -> dict[str, str]:
+    """The smaps entry of the mapping holding ``address``: its perms and fields (kB values kept as text)."""
+    entry: dict[str, str] | None = None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+                if entry is not None:
+                    return entry
+                start, end = (int(x, 16) for x in head[0].split("-"))
+                entry = {"perms": head[1]} if start <= address < end else None
+            elif entry is not None:
+                key, _, value = line.partition(":")
+                entry[key] = value.strip()
+    if entry is None:
+        raise AssertionError(f"no mapping holds 0x{address:x}")
+    return entry
+
+
+def _resident(buffer: np.ndarray) -> int:
+    return int(_mapping(buffer.ctypes.data)["Rss"].split()[0]) * 1024
+
+
+def test_buffer_memory_is_private_and_advised_for_huge_pages():
+    buffer = anonymous(4 * MIB)
+    entry = _mapping(buffer.ctypes.data)
+    assert entry["perms"] == "rw-p"  # private: shared anonymous memory is shmem, with no huge pages
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        assert "hg" in entry["VmFlags"].split()
+    assert buffer.nbytes == 4 * MIB and not buffer.any() and _resident(buffer) == 0
+
+
+@pytest.mark.skipif(not copier.available(), reason="the native copier is not built")
+def test_fault_in_makes_every_page_resident_and_leaves_the_zeros():
+    buffers = [anonymous(3 * MIB + 4096), anonymous(2 * MIB)]  # a last chunk shorter than the copier's
+    assert [_resident(b) for b in buffers] == [0, 0]
+    fault_in(buffers)
+    assert [_resident(b) for b in buffers] == [b.nbytes for b in buffers]
+    assert not any(b.any() for b in buffers)
+
+
+@pytest.mark.skipif(not copier.available(), reason="the native copier is not built")
+def test_fault_in_of_a_file_mapping_cut_short_is_an_error_not_a_crash(tmp_path):
+    path = tmp_path / "file"
+    path.write_bytes(b"\0" * (2 * MIB))
+    with open(path, "r+b") as f:
+        mapping = mmap.mmap(f.fileno(), 2 * MIB)
+    buffer = np.frombuffer(mapping, dtype=np.uint8)
+    path.write_bytes(b"")  # truncated under the mapping: a write to it raises SIGBUS
+    with pytest.raises(ValueError, match=rf"^fault_in: buffer memory at 0x{buffer.ctypes.data:x} is not anonymous memory$"):
+        fault_in([buffer])
