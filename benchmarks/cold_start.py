@@ -2,6 +2,7 @@
 
     python benchmarks/cold_start.py [--size-gb 6.44] [--procs 3] [--reloads 2] [--disk-dir /tmp]
                                     [--thp-dir /mnt/thp] [--rows "PREFIX;..."] [--profile] [--json PATH]
+                                    [--baseline CHECKOUT]
 
 Every row's load is the first of a NEW process that has already imported torch, made its CUDA
 context and imported the loader's module (``streamer_client``, ``instanttensor``,
@@ -22,12 +23,17 @@ mounted ``huge=always``), there too.
 With 4 ranks (replicated: every rank loads every tensor, all on cuda:0) a row's time is the wall
 from the first rank's start to the last rank's end. ``--profile`` adds one process per row of
 ours whose first load runs under ``cProfile`` (time split by stage) after the rounds.
+``--baseline`` (another checkout: ``git worktree add /tmp/base main``) adds, before each row of
+ours, the same row whose processes import that checkout's ``streamer_client`` and
+``streamer_service`` instead (the daemons are this checkout's): an A/B in one run, each round
+running both.
 Prints the machine, then one table last. GB = 1e9 bytes.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -285,6 +291,7 @@ class Row:
     world: int = 1
     independent: bool = False  # ``world`` processes, each its own load (world_size 1)
     reserve: bool = False  # diagnostic: the load's device memory allocated and freed before the clock
+    checkout: Path | None = None  # the ranks import this checkout's packages (--baseline)
     failed: str = ""  # why its processes failed (it is left out from then on)
     target: str = ""
     loads: list = field(default_factory=list)  # per counted round: [per process: [first, reloads...]]
@@ -311,6 +318,11 @@ def rows_for(thp: bool) -> list[Row]:
     return [r for r in rows if thp or (r.source != "thp" and r.daemon != "retain-thp")]
 
 
+def with_checkout(row: Row, checkout: Path) -> Row:
+    """``row`` with its ranks on another checkout's code (``--baseline``), named so; no target."""
+    return dataclasses.replace(row, name=f"{row.name} [baseline]", checkout=checkout.resolve(), target="", loads=[])
+
+
 def spawn(row: Row, directory: Path, truth: Path, env: dict, rank: int, session: str, reloads: int,
           profile_out: Path | None = None, importtime: bool = False) -> subprocess.Popen:  # fmt: skip
     world = 1 if row.independent else row.world
@@ -321,6 +333,8 @@ def spawn(row: Row, directory: Path, truth: Path, env: dict, rank: int, session:
         cmd += ["--profile", "--profile-out", str(profile_out)]
     if row.reserve:
         cmd.append("--reserve")
+    if row.checkout is not None:  # its packages first on the path, before this checkout's
+        env = dict(env, PYTHONPATH=os.pathsep.join([str(row.checkout / "client"), str(row.checkout), env["PYTHONPATH"]]))
     # stderr to a file: -X importtime writes thousands of lines before the worker is ready.
     stderr = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True)
@@ -484,6 +498,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, help="a directory for the profiles and the JSON")
     parser.add_argument("--json", type=Path, help="every measurement as JSON")
     parser.add_argument("--device", default="cuda:0", help="cpu: a dry run of the orchestration (rows of ours and Run:ai)")
+    parser.add_argument("--baseline", type=Path, help="another checkout: each row of ours also runs on its code, same rounds")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     for name in ("--dir", "--truth", "--session", "--profile-out"):
         parser.add_argument(name, help=argparse.SUPPRESS)
@@ -536,6 +551,8 @@ def orchestrate(args) -> None:
 
         only = tuple(p for p in args.rows.split(";") if p)
         rows = [r for r in rows_for(thp is not None) if not only or r.name.startswith(only)]
+        if args.baseline:
+            rows = [twin for r in rows for twin in ([with_checkout(r, args.baseline), r] if r.kind == "ours" else [r])]
         base_env = dict(os.environ)
         base_env["PYTHONPATH"] = os.pathsep.join([str(REPO / "client"), str(REPO), base_env.get("PYTHONPATH", "")])
         base_env["STREAMER_CACHE_DIR"] = str(work / "rank-cache")
