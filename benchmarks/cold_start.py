@@ -26,7 +26,7 @@ ours whose first load runs under ``cProfile`` (time split by stage) after the ro
 ``--baseline`` (another checkout: ``git worktree add /tmp/base main``) adds, before each row of
 ours, the same row whose processes import that checkout's ``streamer_client`` and
 ``streamer_service`` instead (the daemons are this checkout's): an A/B in one run, each round
-running both.
+running both, the twins swapping places every other round.
 Prints the machine, then one table last. GB = 1e9 bytes.
 """
 
@@ -323,6 +323,19 @@ def with_checkout(row: Row, checkout: Path) -> Row:
     return dataclasses.replace(row, name=f"{row.name} [baseline]", checkout=checkout.resolve(), target="", loads=[])
 
 
+def round_order(rows: list[Row], rnd: int) -> list[Row]:
+    """The rows of round ``rnd``: a ``--baseline`` twin runs before its row in odd rounds and after
+    it in even ones, so that neither is always the one that follows the other rows (a daemon that
+    idled meanwhile has trimmed its segments, docs/deploy.md)."""
+    if rnd % 2:
+        return rows
+    order = list(rows)
+    for i in range(len(order) - 1):
+        if order[i].checkout is not None and order[i].name == f"{order[i + 1].name} [baseline]":
+            order[i], order[i + 1] = order[i + 1], order[i]
+    return order
+
+
 def spawn(row: Row, directory: Path, truth: Path, env: dict, rank: int, session: str, reloads: int,
           profile_out: Path | None = None, importtime: bool = False) -> subprocess.Popen:  # fmt: skip
     world = 1 if row.independent else row.world
@@ -583,7 +596,7 @@ def orchestrate(args) -> None:
         # Round 0 is not counted: bytecode, the metadata caches, each daemon's first load (a retaining
         # daemon keeps the checkpoint from then on: its counted rows are warm restarts).
         for rnd in range(args.procs + 1):
-            for row in rows:
+            for row in round_order(rows, rnd):
                 if row.failed:
                     continue
                 try:
