@@ -318,9 +318,12 @@ def rows_for(thp: bool) -> list[Row]:
     return [r for r in rows if thp or (r.source != "thp" and r.daemon != "retain-thp")]
 
 
+BASELINE = " [baseline]"  # a --baseline twin's name: its row's, and this
+
+
 def with_checkout(row: Row, checkout: Path) -> Row:
     """``row`` with its ranks on another checkout's code (``--baseline``), named so; no target."""
-    return dataclasses.replace(row, name=f"{row.name} [baseline]", checkout=checkout.resolve(), target="", loads=[])
+    return dataclasses.replace(row, name=row.name + BASELINE, checkout=checkout.resolve(), target="", loads=[])
 
 
 def round_order(rows: list[Row], rnd: int) -> list[Row]:
@@ -331,7 +334,7 @@ def round_order(rows: list[Row], rnd: int) -> list[Row]:
         return rows
     order = list(rows)
     for i in range(len(order) - 1):
-        if order[i].checkout is not None and order[i].name == f"{order[i + 1].name} [baseline]":
+        if order[i].checkout is not None and order[i].name == order[i + 1].name + BASELINE:
             order[i], order[i + 1] = order[i + 1], order[i]
     return order
 
