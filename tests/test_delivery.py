@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from checkpoints import ground_truth, tensor_bytes
+from smaps import mapping
 
 import streamer_client
 from streamer_client import copier, delivery
@@ -174,3 +175,16 @@ def test_staged_windows_are_byte_exact_and_a_source_cut_short_names_its_item(tmp
         pinned.close()
         del array, items
         mapping.close()
+
+
+@pytest.mark.skipif(
+    not copier.available() or not hasattr(__import__("mmap"), "MADV_HUGEPAGE"), reason="needs the native copier and THP"
+)
+def test_large_owned_cpu_tensors_are_advised_for_huge_pages_before_they_are_written():
+    data = np.random.default_rng(3).integers(0, 256, 6 * 1024 * 1024 + 10, dtype=np.uint8)
+    items = [(data[:10], "U8", (10,)), (data[10:], "BF16", (3 * 1024 * 1024,))]
+    small, large = delivery.copy_to_cpu(items, lambda i: AssertionError(i))
+    assert small.numpy().tobytes() == data[:10].tobytes()
+    assert large.view(torch.uint8).numpy().tobytes() == data[10:].tobytes()
+    middle = large.data_ptr() + large.nbytes // 2
+    assert "hg" in mapping(middle)["VmFlags"].split()

@@ -8,30 +8,12 @@ import mmap
 
 import numpy as np
 import pytest
+from smaps import mapping as _mapping
 
 from streamer_client import copier
 from streamer_client.host_memory import anonymous, fault_in
 
 MIB = 1024 * 1024
-
-
-def _mapping(address: int) -> dict[str, str]:
-    """The smaps entry of the mapping holding ``address``: its perms and fields (kB values kept as text)."""
-    entry: dict[str, str] | None = None
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split()
-            if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
-                if entry is not None:
-                    return entry
-                start, end = (int(x, 16) for x in head[0].split("-"))
-                entry = {"perms": head[1]} if start <= address < end else None
-            elif entry is not None:
-                key, _, value = line.partition(":")
-                entry[key] = value.strip()
-    if entry is None:
-        raise AssertionError(f"no mapping holds 0x{address:x}")
-    return entry
 
 
 def _resident(buffer: np.ndarray) -> int:
@@ -66,3 +48,16 @@ def test_fault_in_of_a_file_mapping_cut_short_is_an_error_not_a_crash(tmp_path):
     path.write_bytes(b"")  # truncated under the mapping: a write to it raises SIGBUS
     with pytest.raises(ValueError, match=rf"^fault_in: buffer memory at 0x{buffer.ctypes.data:x} is not anonymous memory$"):
         fault_in([buffer])
+
+
+@pytest.mark.skipif(not copier.available() or not hasattr(mmap, "MADV_HUGEPAGE"), reason="needs the native copier and THP")
+def test_huge_page_advice_reaches_the_whole_pages_of_the_range_and_nothing_else():
+    memory = mmap.mmap(-1, 8 * MIB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    base = np.frombuffer(memory, dtype=np.uint8).ctypes.data
+    assert "hg" not in _mapping(base).get("VmFlags", "").split()
+    # From 100 bytes into the third MiB to the end of the sixth: the whole pages inside are advised.
+    assert copier.advise_huge(base + 2 * MIB + 100, 4 * MIB - 100)
+    flags = {at: _mapping(base + at)["VmFlags"].split() for at in (0, 2 * MIB, 2 * MIB + 4096, 6 * MIB - 4096, 6 * MIB)}
+    assert ["hg" in f for f in flags.values()] == [False, False, True, True, False]
+    assert not copier.advise_huge(base + 100, 4000)  # no whole page inside: nothing advised
+    assert "hg" not in _mapping(base + 100)["VmFlags"].split()

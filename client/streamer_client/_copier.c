@@ -533,6 +533,28 @@ static PyObject *py_unmap(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *py_advise_huge(PyObject *self, PyObject *args) {
+    unsigned long long address;
+    Py_ssize_t nbytes;
+    if (!PyArg_ParseTuple(args, "Kn", &address, &nbytes)) {
+        return NULL;
+    }
+    /* The whole pages inside [address, address + nbytes): advice on anything else would reach
+       memory that is not the caller's. */
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uintptr_t start = ((uintptr_t)address + page - 1) & ~(page - 1);
+    uintptr_t end = ((uintptr_t)address + (uintptr_t)(nbytes > 0 ? nbytes : 0)) & ~(page - 1);
+    if (end <= start) {
+        Py_RETURN_FALSE;
+    }
+#ifdef MADV_HUGEPAGE
+    if (madvise((void *)start, end - start, MADV_HUGEPAGE) == 0) {
+        Py_RETURN_TRUE;
+    }
+#endif
+    Py_RETURN_FALSE;
+}
+
 static PyMethodDef methods[] = {
     {"pool", py_pool, METH_VARARGS, "pool(threads, chunk_bytes): a new pool of copying threads"},
     {"submit", py_submit, METH_VARARGS, "submit(pool, dsts, srcs, sizes): queue one batch; its ticket"},
@@ -540,6 +562,8 @@ static PyMethodDef methods[] = {
     {"close", py_close, METH_VARARGS, "close(pool): finish every queued copy and stop the threads"},
     {"map", py_map, METH_VARARGS, "map(fd, nbytes): the address of a read-only shared mapping of the file"},
     {"unmap", py_unmap, METH_VARARGS, "unmap(address, nbytes)"},
+    {"advise_huge", py_advise_huge, METH_VARARGS,
+     "advise_huge(address, nbytes): advise the whole pages inside the range for transparent huge pages; whether taken"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -7,7 +7,8 @@ way a tensor is delivered in one of these ways, each written once here:
 - :func:`over`: a tensor over memory that is never reused (a buffer handed to the caller);
 - :func:`lend`: a borrowed view of a reusable buffer, recorded in its :class:`Leases`;
 - :func:`copy_to_cpu`: owned CPU tensors, the bytes copied by the native copier's threads
-  (:mod:`streamer_client.copier`; numpy where it is not built), a batch at a time;
+  (:mod:`streamer_client.copier`; numpy where it is not built), a batch at a time, into new
+  memory advised for transparent huge pages;
 - :func:`to_device`: a device tensor copied from page-locked memory on the copier's stream
   (:class:`streamer_client.cuda.PinnedCopier`: fence, release after completion);
 - :class:`Staging`: device tensors from memory that is *not* page-locked (a segment read once):
@@ -51,6 +52,10 @@ STAGING_SLOTS = 3
 copying to the device), made of :func:`~streamer_client.host_memory.anonymous` memory, faulted in
 on the copier's threads and registered once per process, on its first staged load."""
 
+_HUGE_MIN_BYTES = 4 * 1024 * 1024
+"""Owned CPU tensors of this size or more are advised for transparent huge pages before they are
+written (numpy's threshold for the same advice): new memory is faulted in and zero-filled as it
+is first written, and a huge page takes one fault where 4 KiB pages take 512."""
 _NATIVE_MIN_BYTES = 256 * 1024  # below this a batch is copied by numpy: no thread hand-off
 
 
@@ -80,6 +85,9 @@ def copy_to_cpu(
     copies = [(byte_view(out), view) for out, (view, _, _) in zip(outs, items) if view.nbytes]
     if copier.available() and sum(view.nbytes for _, view in copies) >= _NATIVE_MIN_BYTES:
         index = [i for i, (view, _, _) in enumerate(items) if view.nbytes]
+        for dst, view in copies:
+            if view.nbytes >= _HUGE_MIN_BYTES:
+                copier.advise_huge(dst.data_ptr(), view.nbytes)  # before the copying threads first touch it
         failed = copier.copy(
             [dst.data_ptr() for dst, _ in copies], [view.ctypes.data for _, view in copies], [v.nbytes for _, v in copies]
         )
