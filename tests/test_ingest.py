@@ -192,14 +192,17 @@ def test_the_loads_line_counts_the_time_its_version_checks_held_the_loading_thre
         held.append(memory)
         return SimpleNamespace(address=memory.data_ptr(), nbytes=memory.numel()), None
 
-    def verify(batch, landed):
+    def check(batch, landed):
         checked.append(batch)
         time.sleep(0.01)  # a HEAD's round trip, at least
 
+    versions = SimpleNamespace(expect=lambda batch, landed: expected.append(batch), check=check)
+    expected = []
     stats = LoadStats()
     with mapped.MappedReader() as reader:
-        loads = list(Pipeline(uri, plan, reader, acquire, stats, verify).loaded(lambda: None))
+        loads = list(Pipeline(uri, plan, reader, acquire, stats, versions).loaded(lambda: None))
     assert len(checked) == len(loads) == sum(1 for b in plan.batches if b.ranges) == 4
+    assert expected == checked  # each asked for as it landed, in the order they were delivered
     assert stats.verify_seconds >= 0.04
     assert stats.describe(time.monotonic()).endswith(f"{stats.verify_seconds:.3f} s checking versions")
 
@@ -243,3 +246,42 @@ def test_a_head_sent_after_batches_landed_answers_for_them_and_a_later_batch_ask
         assert caught.value.key == first.ranges[0].file and versions.checks == 2
     finally:
         versions.close()
+
+
+def test_a_batchs_head_goes_out_as_it_lands_and_its_check_waits_only_for_that_answer(tmp_path):
+    """``expect`` sends a landed batch's HEAD on the checking thread; ``check`` then uses it (no
+    second HEAD), and batches that landed before it was sent share it. A change after that HEAD
+    is caught by the next batch that lands."""
+    import os
+    import threading
+
+    from streamer_client.errors import ObjectChangedError
+    from streamer_service.checkpoint.plan import build_plan
+    from streamer_service.checkpoint.versions import ObjectVersions
+
+    src = tmp_path / "ckpt"
+    make_sharded_checkpoint(src, {f"w{i}": torch.full((256, 256), float(i)) for i in range(4)}, n_shards=1)
+    uri = parse_uri(str(src))
+    catalog = build_catalog(open_storage(uri, Settings()))
+    first, second, third = [b for b in build_plan(list(catalog.tensors), 256 * 1024).batches if b.ranges][:3]
+    versions = ObjectVersions(uri, catalog.files, Settings())
+    try:
+        landed = time.monotonic()
+        versions.expect(first, landed)
+        versions.expect(second, landed)  # landed before that HEAD went out: it answers for both
+        assert versions.checks == 1
+        assert [t.name for t in threading.enumerate() if t.name.startswith("versions")]  # sent off this thread
+        versions.check(first, landed)
+        versions.check(second, landed)
+        assert versions.checks == 1
+        shard = src / first.ranges[0].file
+        shard.write_bytes(shard.read_bytes() + b"\0")
+        os.utime(shard, ns=(time.time_ns(), time.time_ns() + 10**9))
+        versions.expect(third, time.monotonic())
+        assert versions.checks == 2
+        with pytest.raises(ObjectChangedError, match="changed while it was being loaded") as caught:
+            versions.check(third, time.monotonic() - 60)  # the HEAD asked for at landing answers
+        assert caught.value.key == first.ranges[0].file and versions.checks == 2
+    finally:
+        versions.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("versions")]

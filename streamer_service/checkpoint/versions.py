@@ -7,8 +7,14 @@ was read from still have the size and version token (S3/Azure ETag, GCS generati
 mtime and size) that the catalog recorded. Same token before and after the reads: the reads
 saw that version. One HEAD per file per batch, against reads of up to a slot each; a HEAD sent
 after a batch's last byte landed answers for it too, so batches that landed together share one
-(``check``'s ``landed``). The storage client is opened on a thread as the load starts
-(:meth:`ObjectVersions.open_soon`), not by the first batch's check.
+(``check``'s ``landed``).
+
+The HEADs go out on one checking thread, which also opens the storage client as the load starts
+(:meth:`ObjectVersions.open_soon`) and is the only thread that uses it: the pipeline asks for a
+batch's HEADs the moment its last byte lands (:meth:`ObjectVersions.expect`) and keeps submitting
+and collecting reads meanwhile; :meth:`ObjectVersions.check`, before the batch is delivered,
+waits only for what is still unanswered. A HEAD queued and not yet sent answers for every batch
+that landed before it goes out, so the checks never fall behind by more than one HEAD a file.
 
 A load served from memory kept by an earlier load (``resident``) reads no object bytes: it first
 checks every shard and the index at once with one listing of the prefix (:meth:`check_all`).
@@ -19,9 +25,9 @@ Blind spot: an object replaced and then restored to the same version token betwe
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from streamer_client.errors import ObjectChangedError, ObjectNotFoundError
@@ -37,17 +43,34 @@ if TYPE_CHECKING:
 __all__ = ["ObjectVersions"]
 
 
+class _Head:
+    """One HEAD of a file on the checking thread: its answer, and when it was sent (``None``
+    while it waits in the queue, to be sent later than anything that has landed now)."""
+
+    __slots__ = ("answer", "sent")
+
+    def __init__(self) -> None:
+        self.answer: Future[ObjectInfo] | None = None
+        self.sent: float | None = None
+
+    def answers_for(self, landed: float) -> bool:
+        """Whether this HEAD goes (or went) out after a batch's last byte landed at ``landed``."""
+        sent = self.sent
+        return sent is None or sent >= landed
+
+
 class ObjectVersions:
-    """Checks that a batch's objects are still the recorded versions; opens its storage lazily."""
+    """Checks that a batch's objects are still the recorded versions, with HEADs on one checking
+    thread that opens the storage client lazily. Driven from one loading thread."""
 
     def __init__(self, uri: StorageURI, files: Sequence[ObjectInfo], settings: Settings) -> None:
         self.uri = uri
         self.checks = 0
         self._files = {f.name: f for f in files}
         self._settings = settings
-        self._storage: Storage | None = None
-        self._opening: threading.Thread | None = None
-        self._heads: dict[str, tuple[float, ObjectInfo]] = {}  # each file's last HEAD: when sent, what it said
+        self._storage: Storage | None = None  # made and used on the checking thread only
+        self._thread: ThreadPoolExecutor | None = None
+        self._heads: dict[str, _Head] = {}  # each file's latest HEAD
 
     @classmethod
     def of(cls, checkpoint: Checkpoint, settings: Settings) -> ObjectVersions:
@@ -57,7 +80,7 @@ class ObjectVersions:
 
     def check_all(self) -> None:
         """List the prefix once; raise naming the first recorded object that is gone or changed."""
-        current = {o.name: o for o in self._open().list_objects()}
+        current = {o.name: o for o in self._on_thread(lambda: self._open().list_objects()).result()}
         self.checks += 1
         for name, want in self._files.items():
             now = current.get(name)
@@ -77,44 +100,50 @@ class ObjectVersions:
                 )
 
     def open_soon(self) -> None:
-        """Open the storage client on a thread now (building an SDK client takes tens of
-        milliseconds): the first check finds it made. An error is raised by that check."""
-        if self._storage is None and self._opening is None:
-            self._opening = threading.Thread(target=self._open_quietly, name="versions-open", daemon=True)
-            self._opening.start()
+        """Open the storage client on the checking thread now (building an SDK client takes tens of
+        milliseconds): the first HEAD finds it made. An error is raised by the first check."""
+        if self._storage is None:
+            self._on_thread(self._open)
 
-    def _open_quietly(self) -> None:
-        try:
-            self._storage = open_storage(self.uri, self._settings)
-        except Exception:  # noqa: BLE001 - _open() opens again in the caller's thread and raises there
-            pass
+    def _on_thread(self, work) -> Future:
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="versions")
+        return self._thread.submit(work)
 
     def _open(self) -> Storage:
-        if self._opening is not None:
-            self._opening.join()
-            self._opening = None
         if self._storage is None:
             self._storage = open_storage(self.uri, self._settings)
         return self._storage
 
-    def _stat(self, name: str, landed: float | None) -> ObjectInfo:
-        """``name``'s size and version now: from a HEAD sent after ``landed`` (``time.monotonic()``
-        when the batch's last byte landed) if there was one, else from a new HEAD."""
+    def _send(self, name: str, head: _Head) -> ObjectInfo:
+        storage = self._open()
+        head.sent = time.monotonic()
+        return storage.stat(name)
+
+    def _head(self, name: str, landed: float | None) -> _Head:
+        """A HEAD of ``name`` sent after ``landed`` (``time.monotonic()`` when a batch's last byte
+        landed): the latest one if it is, else a new one. ``landed=None``: always a new one."""
         last = self._heads.get(name)
-        if landed is not None and last is not None and last[0] >= landed:
-            return last[1]
-        sent = time.monotonic()
-        now = self._open().stat(name)
+        if landed is not None and last is not None and last.answers_for(landed):
+            return last
+        head = self._heads[name] = _Head()
+        head.answer = self._on_thread(lambda: self._send(name, head))
         self.checks += 1
-        self._heads[name] = (sent, now)
-        return now
+        return head
+
+    def expect(self, batch: Batch, landed: float) -> None:
+        """``batch``'s last byte landed at ``landed``: send the HEADs that will answer for it now,
+        so that :meth:`check` finds them answered."""
+        for name in batch.files:
+            self._head(name, landed)
 
     def check(self, batch: Batch, landed: float | None = None) -> None:
         """:class:`ObjectChangedError` naming the object when one of ``batch``'s files changed.
         ``landed``: ``time.monotonic()`` when the batch's last byte landed; ``None`` always asks."""
-        for name in dict.fromkeys(r.file for r in batch.ranges):
+        heads = [(name, self._head(name, landed)) for name in batch.files]
+        for name, head in heads:
             want = self._files[name]
-            now = self._stat(name, landed)
+            now = head.answer.result()
             if (now.size, now.etag) != (want.size, want.etag):
                 raise ObjectChangedError(
                     f"{self.uri.child(name)} changed while it was being loaded (size {want.size}, version "
@@ -126,9 +155,11 @@ class ObjectVersions:
                 )
 
     def close(self) -> None:
-        if self._opening is not None:
-            self._opening.join()
-            self._opening = None
+        """Wait for the HEADs still out, then close the storage client."""
+        if self._thread is not None:
+            self._thread.shutdown(wait=True)
+            self._thread = None
+        self._heads.clear()
         if self._storage is not None:
             self._storage.close()
             self._storage = None

@@ -229,9 +229,8 @@ class Session:
             self._buffers.prepare(plan, self.key)
             if plan.batches:
                 with open_reader(self.checkpoint.uri, self._reader_factory, self._storage_environment) as reader:
-                    verify = self._versions.check if self._versions is not None else None
                     pipeline = Pipeline(
-                        self.checkpoint.uri, plan, reader, self._acquire, self.stats, verify, in_flight=self._in_flight
+                        self.checkpoint.uri, plan, reader, self._acquire, self.stats, self._versions, in_flight=self._in_flight
                     )
                     for load in pipeline.loaded(self._wait_for_release):
                         self._publish(load)

@@ -70,7 +70,7 @@ import functools
 import mmap
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -85,7 +85,7 @@ from ..checkpoint.catalog import Catalog
 from ..checkpoint.plan import DEFAULT_ALIGN, Batch, BatchKind, Part, Placement, Plan, build_plan, in_parts
 from ..checkpoint.plan import select as select_tensors
 from ..checkpoint.versions import ObjectVersions
-from ..load.pipeline import Load, Pipeline
+from ..load.pipeline import Load, Pipeline, Versions
 from ..readers.base import Reader, ReaderFactory
 from ..readers.choice import open_reader, reader_for
 from ..readers.runai import storage_environment
@@ -214,10 +214,9 @@ class EmbeddedEngine:
                 raise CheckpointError(f"tensor {tensor.name!r}: {exc}", key=tensor.name) from None
 
     def _run(self, plan: Plan, device: torch.device, borrowed: bool) -> Iterator[tuple[str, torch.Tensor]]:
-        verify = self._versions.check if self._versions is not None else None
         pool = (self._pool or pinned_pool()) if device.type == "cuda" else None
         plan, ring = self._ring_for(plan, pool)
-        stream = _Stream(self.uri, plan, ring, self.stats, device, borrowed, verify, self.config.in_flight)
+        stream = _Stream(self.uri, plan, ring, self.stats, device, borrowed, self._versions, self.config.in_flight)
         try:
             with self._open_reader(device) as reader:
                 yield from stream.run(reader)
@@ -276,11 +275,11 @@ class _Stream:
         stats: EngineStats,
         device: torch.device,
         borrowed: bool,
-        verify: Callable[[Batch], None] | None = None,
+        versions: Versions | None = None,
         in_flight: int | None = None,
     ) -> None:
         self._uri = uri
-        self._verify = verify
+        self._versions = versions
         self._in_flight = in_flight
         self._ring = ring
         self._stats = stats
@@ -297,7 +296,7 @@ class _Stream:
     def run(self, reader: Reader) -> Iterator[tuple[str, torch.Tensor]]:
         if self._copier is not None:
             delivery.reserve(self._device, [t.nbytes for t in self._plan.tensors])
-        pipeline = Pipeline(self._uri, self._plan, reader, self._acquire, self._stats, self._verify, in_flight=self._in_flight)
+        pipeline = Pipeline(self._uri, self._plan, reader, self._acquire, self._stats, self._versions, in_flight=self._in_flight)
         for load in pipeline.loaded(self._wait_for_buffer):
             yield from self._deliver(load)
             if load.token is None or self._copier is not None:  # device copies release their own

@@ -17,7 +17,8 @@ shared-memory segments, released when every rank is done with them):
   file, the byte range and the tensors it held, and no tensor of that batch
   is delivered;
 - confirm that the objects the batch was read from are still the version the
-  plan was made from (``verify``, see ``versions``): otherwise the load fails
+  plan was made from (``versions``, see ``checkpoint.versions``: its HEADs go out on a thread of
+  their own as soon as the batch's last byte landed, while reads go on): otherwise the load fails
   with ``ObjectChangedError`` and nothing of that batch is delivered;
 - hand the loaded batch over; when nothing is in flight and no buffer is free,
   ask the caller to wait for a release.
@@ -38,7 +39,17 @@ from ..readers.base import FileReads, RangeResult, Reader, ReadRange
 from ..sizing import submission_size
 from ..uri import StorageURI
 
-__all__ = ["Buffer", "Load", "LoadStats", "Pipeline"]
+__all__ = ["Buffer", "Load", "LoadStats", "Pipeline", "Versions"]
+
+
+class Versions(Protocol):
+    """Checks of the objects a batch was read from (``checkpoint.versions.ObjectVersions``)."""
+
+    def expect(self, batch: Batch, landed: float) -> None:
+        """The batch's last byte landed at ``landed``: start what :meth:`check` will need."""
+
+    def check(self, batch: Batch, landed: float | None) -> None:
+        """Raise when an object changed; ``landed=None``: ask afresh."""
 
 
 class Buffer(Protocol):
@@ -59,7 +70,7 @@ class LoadStats:
     last_landed: float | None = None  # ... of the last range that landed
     acquire_seconds: float = 0.0  # spent getting buffers (making a segment is the costly part)
     buffer_wait_seconds: float = 0.0  # nothing in flight and no buffer free: waiting for a release
-    verify_seconds: float = 0.0  # checking object versions, on the loading thread (nothing submitted meanwhile)
+    verify_seconds: float = 0.0  # waiting for object version checks, on the loading thread (nothing submitted meanwhile)
 
     @property
     def read_seconds(self) -> float:
@@ -114,7 +125,7 @@ class Pipeline:
         reader: Reader,
         acquire: AcquireBuffer,
         stats: LoadStats,
-        verify: Callable[[Batch, float | None], None] | None = None,
+        versions: Versions | None = None,
         *,
         in_flight: int | None = None,
     ) -> None:
@@ -123,7 +134,7 @@ class Pipeline:
         # Bytes of one read request (a request holds whole batches, at least one).
         self._submission_bytes = submission_size(in_flight, local=uri.is_local)
         self._in_flight = 0  # bytes submitted and not yet landed
-        self._verify = verify
+        self._versions = versions
         self._reader = reader
         self._acquire = acquire
         self._stats = stats
@@ -146,14 +157,14 @@ class Pipeline:
             load = self._loads.popleft()
             self._wait_for(load)
             if load.failed is not None:
-                if self._verify is not None and type(load.failed.error) is StorageError:
+                if self._versions is not None and type(load.failed.error) is StorageError:
                     # Run:ai says only "file access error" for a refused, missing or changed object:
                     # one HEAD per file through the SDK says which, naming the credentials.
-                    self._verify(load.batch, None)  # None: a fresh HEAD
+                    self._versions.check(load.batch, None)  # None: a fresh HEAD
                 raise self._failure(load)
-            if self._verify is not None and load.batch.ranges:
+            if self._versions is not None and load.batch.ranges:
                 checked = time.monotonic()
-                self._verify(load.batch, load.landed)
+                self._versions.check(load.batch, load.landed)
                 self._stats.verify_seconds += time.monotonic() - checked
             yield load
 
@@ -253,6 +264,8 @@ class Pipeline:
             load.failed = result
         if load.done:
             load.landed = time.monotonic()
+            if self._versions is not None and load.failed is None:
+                self._versions.expect(load.batch, load.landed)
         self._unanswered[result.submission] -= 1
         if not self._unanswered[result.submission]:
             del self._by_submission[result.submission], self._unanswered[result.submission]
