@@ -1,4 +1,4 @@
-"""Amazon S3 and S3-compatible stores through boto3.
+"""Amazon S3 and S3-compatible stores through botocore (boto3's client library).
 
 The endpoint comes from boto3's own configuration (``AWS_ENDPOINT_URL``,
 ``AWS_ENDPOINT_URL_S3``, profiles), credentials from its standard chain.
@@ -6,12 +6,14 @@ The endpoint comes from boto3's own configuration (``AWS_ENDPOINT_URL``,
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Iterator
 from typing import BinaryIO, TypeVar
 
-import boto3
 import botocore.exceptions as bexc
+import botocore.loaders
+import botocore.session
 from botocore.config import Config
 
 from ..settings import Settings
@@ -55,6 +57,20 @@ _CREDENTIAL_METHODS = {
 }
 
 
+@functools.cache
+def _models() -> botocore.loaders.Loader:
+    return botocore.loaders.create_loader()
+
+
+def _session() -> botocore.session.Session:
+    """A session of its own (credentials and configuration resolved afresh, as boto3's default
+    session resolves them) that reads service models through the process's one loader: a session's
+    own loader parses the S3 model again, about 0.2 s of CPU for every client made."""
+    session = botocore.session.get_session()
+    session.register_component("data_loader", _models())
+    return session
+
+
 class S3Storage(Storage):
     def __init__(self, uri: StorageURI, settings: Settings) -> None:
         super().__init__(uri)
@@ -64,8 +80,8 @@ class S3Storage(Storage):
             read_timeout=settings.storage_read_timeout_s,
             s3={"addressing_style": settings.s3_addressing_style},
         )
-        self._session = boto3.session.Session()
-        self._client = self._session.client("s3", config=config)
+        self._session = _session()
+        self._client = self._session.create_client("s3", config=config)
         self._bucket = uri.bucket
         self._retries = settings.storage_retries
 
