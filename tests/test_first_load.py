@@ -20,7 +20,7 @@ from test_session import (
 )
 
 from streamer_service.checkpoint.open import open_checkpoint
-from streamer_service.checkpoint.plan import build_plan
+from streamer_service.checkpoint.plan import BatchKind, build_plan
 from streamer_service.daemon.resident import ResidentStore
 from streamer_service.daemon.session import Session, SessionState
 from streamer_service.daemon.shm import SegmentPool, SegmentStore, ShmBudget
@@ -209,3 +209,74 @@ def test_without_a_standing_ring_every_idle_segment_goes(node):
     pool.give(segment, reservation, keep=True, now=time.monotonic())
     pool.trim(time.monotonic() + 10**6)
     assert pool.idle == 0 and list(node.shm.iterdir()) == []
+
+
+def _loaded_batches(node) -> list:
+    return [b for b in build_plan(list(node.checkpoint.catalog.tensors), SLOT).batches if b.ranges]
+
+
+def test_a_retained_load_keeps_the_standing_ring_for_its_first_batches_and_the_pool_makes_it_again(node):
+    pool = node.pool(4 * SLOT, idle_s=5)
+    pool.start_preparing(SLOT, 2, standing=True)
+    _prepared(pool)
+    standing = {p.name for p in node.shm.iterdir()}
+    made_before = len(node.store.made_by)
+    resident = ResidentStore(64 * 2**20)
+
+    _load(node, pool, resident)  # every tensor byte-exact
+    _prepared(pool)
+
+    batches = _loaded_batches(node)
+    first_two = [b for b in batches if b.kind is BatchKind.SLOT][:2]
+    copy = resident.pin(node.checkpoint.uri.normalized, node.checkpoint.generation)
+    try:
+        # The first two slot batches were streamed into the standing ring's segments, which stay resident.
+        assert {copy.get(p.tensor.name).segment.name for b in first_two for p in b.placements if p.tensor.nbytes} == standing
+    finally:
+        resident.unpin(copy)
+    # Only the other batches needed new segments, and the pool made its two standing ones again.
+    assert len(node.store.made_by) - made_before == len(batches) - 2 + 2
+    assert all(name.startswith("segment-maker") for name in node.store.made_by)
+    assert pool.idle == 2 and pool.budget.in_use == 2 * SLOT  # the adopted ones left the ring's budget
+    files = {p.name: p.stat().st_size for p in node.shm.iterdir()}
+    assert len(files) == len(batches) + 2
+    assert resident.used == resident.stats().resident_bytes == sum(files.values()) - 2 * SLOT
+    resident.close()
+    remaining = {p.name for p in node.shm.iterdir()}
+    assert len(remaining) == 2 and remaining.isdisjoint(standing)  # the standing ring, new segments
+
+
+def test_a_retention_budget_with_room_only_for_exact_segments_leaves_the_standing_ring_alone(node):
+    pool = node.pool(4 * SLOT, idle_s=5)
+    pool.start_preparing(SLOT, 2, standing=True)
+    _prepared(pool)
+    standing = {p.name for p in node.shm.iterdir()}
+    pages = node.store.pages
+    exact = sum(pages.round(b.buffer_bytes) for b in _loaded_batches(node))
+    slot_batches = [b for b in _loaded_batches(node) if b.kind is BatchKind.SLOT][:2]
+    assert sum(pages.round(SLOT) - pages.round(b.buffer_bytes) for b in slot_batches) > 0  # the test means something
+    resident = ResidentStore(exact)  # not enough for two slot-sized segments in place of their batches'
+
+    _load(node, pool, resident)
+
+    assert resident.used == resident.stats().resident_bytes == exact  # every batch kept, in a segment of its size
+    assert pool.idle == 2 and pool.budget.in_use == 2 * SLOT
+    resident.close()
+    assert {p.name for p in node.shm.iterdir()} == standing  # the standing ring was not touched
+
+
+def test_adopted_segments_leave_the_pool_and_its_budget_and_restand_makes_them_again(node):
+    pool = node.pool(4 * SLOT, idle_s=5)
+    pool.start_preparing(SLOT, 3, standing=True)
+    assert pool.available(SLOT) == 3  # idle or on their way
+    adopted = pool.adopt(SLOT, 2)  # waits for the prepared segments still being made
+    assert len(adopted) == 2 and all(s.nbytes == SLOT for s in adopted)
+    _prepared(pool)
+    assert pool.idle == pool.available(SLOT) == 1 and pool.budget.in_use == SLOT
+    assert pool.adopt(2 * SLOT, 1) == []  # none of that size: nothing is made for it
+    pool.restand()
+    _prepared(pool)
+    assert pool.idle == 3 and pool.budget.in_use == 3 * SLOT
+    assert len(list(node.shm.iterdir())) == 5  # the adopted two are the adopter's to close
+    for segment in adopted:
+        segment.close()

@@ -113,9 +113,10 @@ class Daemon:
         self.store = SegmentStore(Path(self.settings.shm_dir), file_mode(self.settings))
         self.store.open()  # sweeps what daemons that are gone left behind
         self.pool = SegmentPool(self.store, self.budget, self.settings.segment_idle_s)
-        if self.settings.segment_prepare and self.settings.segment_idle_s > 0 and not self.resident.enabled:
+        if self.settings.segment_prepare and self.settings.segment_idle_s > 0:
             # The first load's ring, made now and kept between loads: a load otherwise pays the
-            # zero-fill and mapping of every segment on its own thread (docs/deploy.md).
+            # zero-fill and mapping of every segment on its own thread (docs/deploy.md). A retained
+            # load keeps them for its first batches, and the pool makes them again after it.
             self.pool.start_preparing(
                 self.slot_size, first_ring_slots(self.budget.limit, self.slot_size, self.in_flight), standing=True
             )

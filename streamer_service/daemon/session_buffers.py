@@ -10,11 +10,16 @@ and when (its state machine). Two kinds of segment:
   from the node's shm budget (``shm.SegmentPool``) and given back to the pool when the session
   ends, where the next session of any checkpoint can reuse them. Once the ring grows past the
   pool's idle segments, its next ``RING_AHEAD`` are made on the store's maker threads.
-- **Kept segments** (a retention budget with room for the load): one segment of the batch's
-  exact size per batch, paid by a claim on the resident store; once loaded, the resident copy
-  owns it and serves later loads from it (``resident``). They are made ahead of need, up to
+- **Kept segments** (a retention budget with room for the load): one segment per batch, paid by
+  a claim on the resident store; once loaded, the resident copy owns it and serves later loads
+  from it (``resident``). The first slot batches take the pool's idle segments of the slot size
+  (the standing ring, made already: ``SegmentPool.adopt``), which the pool makes again once the
+  session ends; the other batches get segments of their exact size, made ahead of need, up to
   ``KEPT_AHEAD`` at a time on the store's maker threads, while Run:ai reads into the ones before
-  (the claim already pays for every one of them, so making them early takes nothing more).
+  (the claim already pays for every one of them, so making them early takes nothing more). New
+  shared memory comes only as fast as the kernel zero-fills it, slower than object storage on
+  some hosts: the segments made already let the load start at once and give the makers a head
+  start.
 
 Locking: ``lock`` is the session's condition; every method that changes the segment list takes
 it. :meth:`acquire` zero-fills a new segment outside it (``Ring.take``).
@@ -94,6 +99,8 @@ class SessionBuffers:
         self._claimed = 0  # resident bytes claimed for this session's own segments
         self._upcoming: deque[Batch] = deque()  # batches still to get a kept segment, in plan order
         self._ahead: deque[tuple[Batch, Future[Segment]]] = deque()  # kept segments on their way
+        self._adopted: deque[tuple[Batch, Segment]] = deque()  # the pool's segments kept for these batches
+        self._adopting = False  # segments were adopted: the pool makes its standing ring again at the end
 
     # ------------------------------------------------------------------ the resident copy
 
@@ -127,27 +134,50 @@ class SessionBuffers:
     def prepare(self, plan: Plan, session: str) -> None:
         """Size the buffers for ``plan``: with room in the retention budget its bytes will stay
         resident (kept segments); otherwise they go through a ring of slots."""
-        need = sum(self._pool.store.pages.round(b.buffer_bytes) for b in plan.batches if b.ranges)  # whole pages
-        if self._copy is not None and need and self._resident.claim(self._copy, need):
-            self._claimed = need
-            self._upcoming.extend(b for b in plan.batches if b.ranges)  # the pipeline's order of acquire
-            self._make_ahead()
-        elif self._copy is not None and need:
+        loaded = [b for b in plan.batches if b.ranges]  # the pipeline's order of acquire
+        if self._copy is not None and loaded and not self._retain(loaded):
+            need = sum(self._pool.store.pages.round(b.buffer_bytes) for b in loaded)
             log.info("session %s: %d bytes to load do not fit the retention budget; streaming through the ring", session, need)
         slot_batches = sum(b.kind is BatchKind.SLOT and b.buffer_bytes > 0 for b in plan.batches)
         # Ring segments are all of the daemon's slot size, so that later sessions can reuse them.
         self._ring.capacity = ring_slots(self._pool.budget.limit, self._slot_size, slot_batches)
 
+    def _retain(self, batches: list[Batch]) -> bool:
+        """Claim room for ``batches`` in the retention budget (whole pages; a slot for each that
+        takes one of the pool's segments); ``False``: no room, they go through the ring."""
+        pages = self._pool.store.pages
+        slot = pages.round(self._slot_size)
+        exact = sum(pages.round(b.buffer_bytes) for b in batches)
+        fits = [b for b in batches if b.kind is BatchKind.SLOT][: self._pool.available(slot)]
+        larger = sum(slot - pages.round(b.buffer_bytes) for b in fits)  # what the slot-sized ones add
+        if fits and self._resident.claim(self._copy, exact + larger):
+            adopted = self._pool.adopt(slot, len(fits))  # fewer if another session took some meanwhile
+            self._adopting = True
+            unused = sum(slot - pages.round(b.buffer_bytes) for b in fits[len(adopted) :])
+            self._resident.settle(unused)
+            self._claimed = exact + larger - unused
+            self._adopted.extend(zip(fits, adopted))
+        elif self._resident.claim(self._copy, exact):
+            self._claimed = exact
+        else:
+            return False
+        taken = {id(b) for b, _ in self._adopted}
+        self._upcoming.extend(b for b in batches if id(b) not in taken)
+        self._make_ahead()
+        return True
+
     def acquire(self, batch: Batch) -> SegmentSlot | None:
         """A segment for ``batch``: a kept one, a free ring slot, a new one while the ring may grow,
         or none (wait for a release)."""
         oversized = batch.kind is BatchKind.OVERSIZED
-        if self._claimed:  # the claim pays: a segment of the batch's exact size, made ahead
+        if self._claimed:  # the claim pays: one of the pool's segments, or one of the batch's size made ahead
             return self._add(SegmentSlot(self._kept_segment(batch), None, oversized))
         nbytes = batch.buffer_bytes if oversized else self._slot_size
         return self._ring.take(functools.partial(self._new_slot, nbytes, oversized), oversized=oversized)
 
     def _kept_segment(self, batch: Batch) -> Segment:
+        if self._adopted and self._adopted[0][0] is batch:
+            return self._adopted.popleft()[1]
         if self._ahead and self._ahead[0][0] is batch:
             future = self._ahead.popleft()[1]
             self._make_ahead()
@@ -198,10 +228,15 @@ class SessionBuffers:
             slots, self._slots = self._slots, []
             self._ring.drain()
         ahead, self._ahead = self._ahead, deque()
+        adopted, self._adopted = self._adopted, deque()
         self._upcoming.clear()
         for _, future in ahead:  # made for batches the load never reached
             with contextlib.suppress(Exception):
                 future.result().close()
+        for _, segment in adopted:
+            segment.close()
+        if self._adopting:
+            self._pool.restand()
         for slot in slots:
             if not slot.kept:
                 self._pool.give(slot.segment, slot.reservation, keep=True, now=self._clock())

@@ -228,7 +228,9 @@ class SegmentPool:
     were prepared are never trimmed, so a load that comes after a long idle spell starts on
     segments whose pages are allocated and mapped, as the first load did (new shared memory comes
     only as fast as the kernel zero-fills and maps it). Only what a load grew past them goes after
-    ``idle_s``; a request the budget cannot hold evicts them like any idle segment.
+    ``idle_s``; a request the budget cannot hold evicts them like any idle segment. A retained
+    load adopts them for its first batches (:meth:`adopt`: its claim pays for them from then on)
+    and the pool makes them again when its session ends (:meth:`restand`).
     """
 
     def __init__(self, store: SegmentStore, budget: ShmBudget, idle_s: float) -> None:
@@ -278,8 +280,7 @@ class SegmentPool:
         if self.idle_s <= 0:  # no idle segments wanted: each is made when a load needs it
             return
         nbytes = self.store.pages.round(nbytes)
-        with self._lock:
-            have = sum(s.nbytes == nbytes for s, _, _ in self._idle) + (self._making if self._making_size == nbytes else 0)
+        have = self.available(nbytes)
         if wanted > have:
             self.start_preparing(nbytes, wanted - have)
 
@@ -307,21 +308,12 @@ class SegmentPool:
         new one if the budget allows; else None. Waits for a prepared one of that size on its way."""
         nbytes = self.store.pages.round(nbytes)
         with self._lock:
-            # The first load has started: prepared segments it leaves are idle like any other from now.
-            self._first_taken = True
-            self._idle = [(s, r, time.monotonic() if since is None else since) for s, r, since in self._idle]
-            while True:
-                for i, (segment, reservation, _) in enumerate(self._idle):
-                    # An oversized batch takes an idle segment of its exact size too: a reload of the same
-                    # checkpoint skips the zero-fill and first touch of its largest tensors (0.4 s/GiB
-                    # on 4 KiB pages on an H200 host).
-                    if segment.nbytes == nbytes:
-                        del self._idle[i]
-                        self.reused += 1
-                        return segment, reservation
-                if not (self._making and self._making_size == nbytes):
-                    break
-                self._lock.wait()  # it holds budget this request would otherwise not find
+            # An oversized batch takes an idle segment of its exact size too: a reload of the same
+            # checkpoint skips the zero-fill and first touch of its largest tensors (0.4 s/GiB on 4 KiB
+            # pages on an H200 host).
+            got = self._take_idle(nbytes)
+        if got is not None:
+            return got
         reservation = self.budget.try_take(nbytes, oversized=oversized)
         if reservation is None and self._evict_idle():
             reservation = self.budget.try_take(nbytes, oversized=oversized)
@@ -337,6 +329,47 @@ class SegmentPool:
         except BaseException:
             self.budget.give_back(reservation)
             raise
+
+    def adopt(self, nbytes: int, count: int) -> list[Segment]:
+        """Up to ``count`` idle segments of ``nbytes`` (waiting for prepared ones on their way), out of
+        the pool for good: their bytes leave the budget, and whoever adopts them pays for them and
+        closes them (a retained load's claim). :meth:`restand` makes the standing ring whole again."""
+        nbytes = self.store.pages.round(nbytes)
+        adopted = []
+        with self._lock:
+            while len(adopted) < count and (got := self._take_idle(nbytes)) is not None:
+                adopted.append(got)
+        for _, reservation in adopted:
+            self.budget.give_back(reservation)
+        return [segment for segment, _ in adopted]
+
+    def available(self, nbytes: int) -> int:
+        """Idle segments of ``nbytes``, and those on their way."""
+        nbytes = self.store.pages.round(nbytes)
+        with self._lock:
+            return sum(s.nbytes == nbytes for s, _, _ in self._idle) + (self._making if self._making_size == nbytes else 0)
+
+    def restand(self) -> None:
+        """Make the standing ring whole again in the background, where segments of it were adopted."""
+        size, count = self._standing
+        if count:
+            self.make_ahead(size, count)
+
+    def _take_idle(self, nbytes: int) -> tuple[Segment, Reservation] | None:
+        """An idle segment of exactly ``nbytes``, waiting for one on its way; ``None`` if there is
+        none. Called under the lock."""
+        # The first load has started: prepared segments it leaves are idle like any other from now.
+        self._first_taken = True
+        self._idle = [(s, r, time.monotonic() if since is None else since) for s, r, since in self._idle]
+        while True:
+            for i, (segment, reservation, _) in enumerate(self._idle):
+                if segment.nbytes == nbytes:
+                    del self._idle[i]
+                    self.reused += 1
+                    return segment, reservation
+            if not (self._making and self._making_size == nbytes):
+                return None
+            self._lock.wait()  # it holds budget this request would otherwise not find
 
     def give(self, segment: Segment, reservation: Reservation, *, keep: bool, now: float) -> None:
         """Return a segment no session uses; ``keep`` it idle for reuse, or unlink it now."""
