@@ -207,6 +207,32 @@ def test_the_loads_line_counts_the_time_its_version_checks_held_the_loading_thre
     assert stats.describe(time.monotonic()).endswith(f"{stats.verify_seconds:.3f} s checking versions")
 
 
+def test_the_request_a_landed_batch_made_room_for_goes_out_before_its_version_check(tmp_path):
+    """One batch's bytes in flight: the next batch is submitted as soon as the head lands, so the
+    read goes on while the head waits for its HEAD's answer (and its hand-over)."""
+    src = tmp_path / "ckpt"
+    make_sharded_checkpoint(src, {f"w{i}": torch.full((64, 64), float(i)) for i in range(4)}, n_shards=1)
+    uri = parse_uri(str(src))
+    plan = build_plan(list(build_catalog(open_storage(uri, Settings())).tensors), 16 * KIB)
+    batches = [b for b in plan.batches if b.ranges]
+    held, submitted_at_check = [], []
+
+    def acquire(batch):
+        memory = torch.empty(batch.buffer_bytes, dtype=torch.uint8)
+        held.append(memory)
+        return SimpleNamespace(address=memory.data_ptr(), nbytes=memory.numel()), None
+
+    stats = LoadStats()
+    versions = SimpleNamespace(
+        expect=lambda batch, landed: None, check=lambda b, landed: submitted_at_check.append(stats.submissions)
+    )
+    with mapped.MappedReader() as reader:
+        loads = list(Pipeline(uri, plan, reader, acquire, stats, versions, in_flight=16 * KIB).loaded(lambda: None))
+    assert len(loads) == len(batches) == stats.submissions == 4
+    # Checking batch k, batch k + 1 was already asked for (but after the last, there is none).
+    assert submitted_at_check == [2, 3, 4, 4]
+
+
 def test_the_nic_rate_bounds_a_loads_bytes_in_flight():
     """The settings' path: STREAMER_TARGET_GBPS x 100 ms, at least two slots, at most the budget."""
     config = EngineConfig.from_settings(Settings(shm_budget="4GiB", slot_size="256MiB", target_gbps=100))

@@ -18,7 +18,8 @@ shared-memory segments, released when every rank is done with them):
   is delivered;
 - confirm that the objects the batch was read from are still the version the
   plan was made from (``versions``, see ``checkpoint.versions``: its HEADs go out on a thread of
-  their own as soon as the batch's last byte landed, while reads go on): otherwise the load fails
+  their own as soon as the batch's last byte landed, and the requests its landing made room for
+  go out before the check waits): otherwise the load fails
   with ``ObjectChangedError`` and nothing of that batch is delivered;
 - hand the loaded batch over; when nothing is in flight and no buffer is free,
   ask the caller to wait for a release.
@@ -233,8 +234,9 @@ class Pipeline:
             if result is None:
                 return
             self._record(result)
-            if not load.done:
-                self._fill()  # room under the bound as ranges land: storage keeps busy meanwhile
+            # Room under the bound as ranges land: the next request goes out now, before the landed
+            # batch waits for its version check and its hand-over, so storage keeps busy meanwhile.
+            self._fill()
 
     def _next_answer(self) -> RangeResult | None:
         """The reader's next answer, from one iterator kept across batches: a request holds several
