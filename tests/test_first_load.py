@@ -23,6 +23,7 @@ from streamer_service.checkpoint.open import open_checkpoint
 from streamer_service.checkpoint.plan import BatchKind, build_plan
 from streamer_service.daemon.resident import ResidentStore
 from streamer_service.daemon.session import Session, SessionState
+from streamer_service.daemon.session_buffers import SessionBuffers
 from streamer_service.daemon.shm import SegmentPool, SegmentStore, ShmBudget
 from streamer_service.settings import Settings
 
@@ -280,3 +281,27 @@ def test_adopted_segments_leave_the_pool_and_its_budget_and_restand_makes_them_a
     assert len(list(node.shm.iterdir())) == 5  # the adopted two are the adopter's to close
     for segment in adopted:
         segment.close()
+
+
+def test_a_retained_batch_whose_pool_segment_was_taken_meanwhile_gets_one_of_its_size_and_claims_only_that(node):
+    pool = node.pool(4 * SLOT, idle_s=5)
+    pool.start_preparing(SLOT, 1, standing=True)
+    _prepared(pool)
+    resident = ResidentStore(64 * 2**20)
+    buffers = SessionBuffers(pool, SLOT, resident, lock=threading.Condition(), clock=time.monotonic)
+    tensors = list(node.checkpoint.catalog.tensors)
+    assert buffers.resident_batches(node.checkpoint.uri.normalized, node.checkpoint.generation, tensors, 0) == []
+    plan = build_plan(tensors, SLOT)
+    buffers.prepare(plan, "key")
+    first = next(b for b in plan.batches if b.kind is BatchKind.SLOT)
+    pages = node.store.pages
+    exact = sum(pages.round(b.buffer_bytes) for b in plan.batches if b.ranges)
+    assert resident.used == exact + SLOT - pages.round(first.buffer_bytes)  # a whole slot claimed for it
+    stolen = pool.take(SLOT)  # another session's ring takes the standing segment first
+    slot = buffers.acquire(first)
+    assert slot.kept and slot.segment.nbytes == pages.round(first.buffer_bytes) < SLOT
+    assert resident.used == exact  # the claim shrank to the segment it got
+    buffers.release()  # nothing was loaded: the claim is settled, the segments made ahead go
+    assert resident.used == 0
+    pool.give(*stolen, keep=True, now=time.monotonic())
+    resident.close()

@@ -99,8 +99,8 @@ class SessionBuffers:
         self._claimed = 0  # resident bytes claimed for this session's own segments
         self._upcoming: deque[Batch] = deque()  # batches still to get a kept segment, in plan order
         self._ahead: deque[tuple[Batch, Future[Segment]]] = deque()  # kept segments on their way
-        self._adopted: deque[tuple[Batch, Segment]] = deque()  # the pool's segments kept for these batches
-        self._adopting = False  # segments were adopted: the pool makes its standing ring again at the end
+        self._adopting: deque[Batch] = deque()  # batches to take one of the pool's segments, in plan order
+        self._adopted = False  # the pool gave segments: it makes its standing ring again at the end
 
     # ------------------------------------------------------------------ the resident copy
 
@@ -151,18 +151,15 @@ class SessionBuffers:
         fits = [b for b in batches if b.kind is BatchKind.SLOT][: self._pool.available(slot)]
         larger = sum(slot - pages.round(b.buffer_bytes) for b in fits)  # what the slot-sized ones add
         if fits and self._resident.claim(self._copy, exact + larger):
-            adopted = self._pool.adopt(slot, len(fits))  # fewer if another session took some meanwhile
-            self._adopting = True
-            unused = sum(slot - pages.round(b.buffer_bytes) for b in fits[len(adopted) :])
-            self._resident.settle(unused)
-            self._claimed = exact + larger - unused
-            self._adopted.extend(zip(fits, adopted))
+            self._claimed = exact + larger
+            self._adopting.extend(fits)
         elif self._resident.claim(self._copy, exact):
             self._claimed = exact
+            fits = []
         else:
             return False
-        taken = {id(b) for b, _ in self._adopted}
-        self._upcoming.extend(b for b in batches if id(b) not in taken)
+        adopting = {id(b) for b in fits}
+        self._upcoming.extend(b for b in batches if id(b) not in adopting)
         self._make_ahead()
         return True
 
@@ -176,8 +173,18 @@ class SessionBuffers:
         return self._ring.take(functools.partial(self._new_slot, nbytes, oversized), oversized=oversized)
 
     def _kept_segment(self, batch: Batch) -> Segment:
-        if self._adopted and self._adopted[0][0] is batch:
-            return self._adopted.popleft()[1]
+        if self._adopting and self._adopting[0] is batch:
+            self._adopting.popleft()
+            pages = self._pool.store.pages
+            adopted = self._pool.adopt(pages.round(self._slot_size), 1)  # waits only for one on its way
+            if adopted:
+                self._adopted = True
+                return adopted[0]
+            # Another session took it meanwhile: a segment of the batch's size, and the claim shrinks to it.
+            larger = pages.round(self._slot_size) - pages.round(batch.buffer_bytes)
+            self._resident.settle(larger)
+            self._claimed -= larger
+            return self._pool.store.create(batch.buffer_bytes)
         if self._ahead and self._ahead[0][0] is batch:
             future = self._ahead.popleft()[1]
             self._make_ahead()
@@ -228,14 +235,12 @@ class SessionBuffers:
             slots, self._slots = self._slots, []
             self._ring.drain()
         ahead, self._ahead = self._ahead, deque()
-        adopted, self._adopted = self._adopted, deque()
         self._upcoming.clear()
+        self._adopting.clear()
         for _, future in ahead:  # made for batches the load never reached
             with contextlib.suppress(Exception):
                 future.result().close()
-        for _, segment in adopted:
-            segment.close()
-        if self._adopting:
+        if self._adopted:
             self._pool.restand()
         for slot in slots:
             if not slot.kept:
