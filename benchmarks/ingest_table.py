@@ -3,10 +3,11 @@ daemon's loads, then retention.
 
     python benchmarks/ingest_table.py MAIN.json [FRESH.json [RETENTION.json]]
 
-MAIN: ``bench --modes A,B[,C] --reps R --warmup 1``; FRESH: ``bench --modes B --ranks 1
---scenarios replicated --reps 2 --warmup 0`` (repetition 1 is a fresh daemon's first load, 2 its
-second, both sample-checked); RETENTION: the same with ``--retention-budget ...`` (repetition 1
-streams into kept segments, 2 is served from memory). The targets are those of TARGETS below
+MAIN: ``bench --modes A,B[,C] --reps R --warmup 1``; FRESH: ``bench --modes A,B --ranks 1
+--scenarios replicated --reps 2 --warmup 0`` (B's repetition 1 is a fresh daemon's first load, 2
+its second, both sample-checked; A's read before each warms the bench's new storage server);
+RETENTION: the same with ``--retention-budget ...`` (repetition 1 streams into kept segments, 2
+is served from memory). The targets are those of TARGETS below
 (B ÷ A per scenario and rank count) and the two ≤ 1.10 rows.
 """
 

@@ -17,6 +17,7 @@ from daemon_harness import DaemonProcess, finish, finish_failed
 from prometheus_client.parser import text_string_to_metric_families
 
 from streamer_service.checkpoint.catalog import build_catalog
+from streamer_service.checkpoint.plan import BatchKind, build_plan
 from streamer_service.daemon.resident import ResidentStore
 from streamer_service.daemon.shm import SegmentStore
 from streamer_service.sample import build_sample, rank_selection
@@ -135,6 +136,38 @@ def test_a_load_larger_than_the_retention_budget_streams_through_the_ring(sample
     assert list(d.shm_dir.iterdir()) == []
     _load(d, str(sample), sample, [names], launch="second")
     assert d.finished()[-1]["bytes_read"] == _nbytes(sample, names)
+
+
+def test_a_retained_load_keeps_the_ring_made_at_start_and_the_daemon_makes_it_again(sample, daemon):
+    """With a retention budget the daemon still prepares its standing ring at start; a retained load
+    streams its first slot batches into those segments, which stay resident, and the daemon makes
+    the ring again once the session ends."""
+    from daemon_harness import wait_until
+
+    names = _names(sample)
+    d = daemon({"STREAMER_SEGMENT_IDLE_S": "30", "STREAMER_SLOT_SIZE": "1MiB"}, "--shm-budget", "8MiB",
+               "--retention-budget", "64MiB")  # fmt: skip
+
+    def settled(c) -> dict:
+        return wait_until(lambda: (r := c.get("/readyz").json()) and not r["segments_preparing"] and r, what="segments made")
+
+    with d.client() as c:
+        prepared = settled(c)["segments_prepared"]
+    assert prepared == 8  # the bytes in flight (the whole 8 MiB budget) in 1 MiB slots
+    standing = {p.name for p in d.shm_dir.iterdir()}
+    _load(d, str(sample), sample, [names], launch="first")
+    with d.client() as c:
+        again = settled(c)["segments_prepared"] - prepared  # made after the session, for the ring
+    catalog = build_catalog(open_storage(parse_uri(str(sample)), Settings()))
+    slot_batches = sum(b.kind is BatchKind.SLOT for b in build_plan(list(catalog.tensors), 2**20).batches if b.ranges)
+    assert slot_batches >= 8  # every standing segment was taken, so none of them is idle now
+    stats = d.stats()
+    files = {p.name: p.stat().st_size for p in d.shm_dir.iterdir()}
+    kept = standing & set(files)  # the standing segments still there: resident now
+    assert again == len(kept) == 8 and stats["segments_idle"] == 8 and stats["shm_in_use"] == 8 * 2**20
+    assert stats["resident_bytes"] == sum(files.values()) - 8 * 2**20 and all(files[n] == 2**20 for n in kept)
+    _load(d, str(sample), sample, [names], launch="second")
+    assert d.finished()[-1]["bytes_read"] == 0  # served from the kept segments, standing ones included
 
 
 def test_least_recently_used_checkpoint_is_evicted(tmp_path, sample, daemon):
