@@ -22,22 +22,28 @@ from test_session import (
 from streamer_service.checkpoint.open import open_checkpoint
 from streamer_service.checkpoint.plan import BatchKind, build_plan
 from streamer_service.daemon.resident import ResidentStore
+from streamer_service.daemon.segment_pool import SegmentPool
 from streamer_service.daemon.session import Session, SessionState
 from streamer_service.daemon.session_buffers import SessionBuffers
-from streamer_service.daemon.shm import SegmentPool, SegmentStore, ShmBudget
+from streamer_service.daemon.shm import SegmentStore, ShmBudget
 from streamer_service.settings import Settings
 
 SLOT = 512 * 1024
 
 
 class RecordingStore(SegmentStore):
-    """A real store that notes which thread made each segment (a spy: nothing is faked)."""
+    """A real store that notes which thread made each segment (a spy: nothing is faked); a maker
+    thread waits for ``gate`` before it makes one (open unless a test closes it)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.made_by: list[str] = []
+        self.gate = threading.Event()
+        self.gate.set()
 
     def create(self, nbytes: int):
+        if threading.current_thread().name.startswith("segment-maker"):
+            assert self.gate.wait(60)
         self.made_by.append(threading.current_thread().name)
         return super().create(nbytes)
 
@@ -283,21 +289,29 @@ def test_adopted_segments_leave_the_pool_and_its_budget_and_restand_makes_them_a
         segment.close()
 
 
-def test_a_retained_batch_whose_pool_segment_was_taken_meanwhile_gets_one_of_its_size_and_claims_only_that(node):
-    pool = node.pool(4 * SLOT, idle_s=5)
-    pool.start_preparing(SLOT, 1, standing=True)
-    _prepared(pool)
-    resident = ResidentStore(64 * 2**20)
+def _retaining(node, pool, resident):
+    """Session buffers planned for a retained load of the whole sample, and the plan's first slot batch."""
     buffers = SessionBuffers(pool, SLOT, resident, lock=threading.Condition(), clock=time.monotonic)
     tensors = list(node.checkpoint.catalog.tensors)
     assert buffers.resident_batches(node.checkpoint.uri.normalized, node.checkpoint.generation, tensors, 0) == []
     plan = build_plan(tensors, SLOT)
     buffers.prepare(plan, "key")
     first = next(b for b in plan.batches if b.kind is BatchKind.SLOT)
+    exact = sum(node.store.pages.round(b.buffer_bytes) for b in plan.batches if b.ranges)
+    return buffers, first, exact
+
+
+def test_a_retained_batch_whose_segment_another_session_took_once_made_gets_one_of_its_size(node):
+    pool = node.pool(4 * SLOT, idle_s=5)
+    node.store.gate.clear()
+    pool.start_preparing(SLOT, 1, standing=True)  # on its way: counted when the load is planned
+    resident = ResidentStore(64 * 2**20)
+    buffers, first, exact = _retaining(node, pool, resident)
     pages = node.store.pages
-    exact = sum(pages.round(b.buffer_bytes) for b in plan.batches if b.ranges)
     assert resident.used == exact + SLOT - pages.round(first.buffer_bytes)  # a whole slot claimed for it
-    stolen = pool.take(SLOT)  # another session's ring takes the standing segment first
+    node.store.gate.set()
+    _prepared(pool)
+    stolen = pool.take(SLOT)  # another session's ring takes it before the batch asks
     slot = buffers.acquire(first)
     assert slot.kept and slot.segment.nbytes == pages.round(first.buffer_bytes) < SLOT
     assert resident.used == exact  # the claim shrank to the segment it got
@@ -305,3 +319,28 @@ def test_a_retained_batch_whose_pool_segment_was_taken_meanwhile_gets_one_of_its
     assert resident.used == 0
     pool.give(*stolen, keep=True, now=time.monotonic())
     resident.close()
+
+
+def test_a_second_retained_load_planned_meanwhile_leaves_the_first_its_segments(node):
+    pool = node.pool(4 * SLOT, idle_s=5)
+    pool.start_preparing(SLOT, 2, standing=True)
+    _prepared(pool)
+    standing = {p.name for p in node.shm.iterdir()}
+    resident = ResidentStore(64 * 2**20)
+    one, first, exact = _retaining(node, pool, resident)  # takes both idle segments as it is planned
+    assert pool.idle == pool.available(SLOT) == 0 and pool.budget.in_use == 0
+    other_resident = ResidentStore(64 * 2**20)
+    other = SessionBuffers(pool, SLOT, other_resident, lock=threading.Condition(), clock=time.monotonic)
+    other.resident_batches("other", "g", list(node.checkpoint.catalog.tensors), 0)
+    plan = build_plan(list(node.checkpoint.catalog.tensors), SLOT)
+    other.prepare(plan, "other")
+    # The other load's first batch: a segment of its size, made ahead on a maker thread.
+    got = other.acquire(next(b for b in plan.batches if b.kind is BatchKind.SLOT))
+    assert got.segment.nbytes == node.store.pages.round(first.buffer_bytes) and got.segment.name not in standing
+    assert one.acquire(first).segment.name in standing  # the first load's, untouched
+    other.release()
+    one.release()
+    _prepared(pool)
+    assert pool.idle == 2  # the standing ring, made again
+    resident.close()
+    other_resident.close()

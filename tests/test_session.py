@@ -20,8 +20,9 @@ from hypothesis import strategies as st
 from streamer_client.errors import SessionError
 from streamer_service.checkpoint.open import open_checkpoint
 from streamer_service.checkpoint.plan import select
+from streamer_service.daemon.segment_pool import SegmentPool
 from streamer_service.daemon.session import Session, SessionState
-from streamer_service.daemon.shm import SegmentPool, SegmentStore, ShmBudget
+from streamer_service.daemon.shm import SegmentStore, ShmBudget
 from streamer_service.readers.base import RangeResult
 from streamer_service.sample import build_sample, rank_selection
 from streamer_service.settings import Settings

@@ -30,8 +30,9 @@ from .metrics import Metrics, build_info
 from .pages import small_pages_advice
 from .process import ProcessWatch
 from .resident import ResidentStore
+from .segment_pool import SegmentPool
 from .session import Session, SessionState
-from .shm import SegmentPool, SegmentStore, ShmBudget
+from .shm import SegmentStore, ShmBudget
 from .stats import DaemonStats, SessionSummary
 
 __all__ = ["Daemon"]

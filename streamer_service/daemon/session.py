@@ -50,8 +50,9 @@ from .metrics import LoadTimes
 from .process import ProcessWatch
 from .resident import ResidentStore
 from .roster import Roster
+from .segment_pool import SegmentPool
 from .session_buffers import SegmentSlot, SessionBuffers, handle
-from .shm import Segment, SegmentPool
+from .shm import Segment
 from .stats import SessionSummary
 
 __all__ = ["Session", "SessionState"]

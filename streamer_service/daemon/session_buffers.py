@@ -7,14 +7,15 @@ and when (its state machine). Two kinds of segment:
 - **Ring slots** (the default): segments of the daemon's slot size, as many as the budget holds
   (``sizing.ring_slots``, the rule shared with the embedded engine; made only when no free one is
   left) plus one oversized tensor's (``ring``), paid
-  from the node's shm budget (``shm.SegmentPool``) and given back to the pool when the session
+  from the node's shm budget (``segment_pool.SegmentPool``) and given back to the pool when the session
   ends, where the next session of any checkpoint can reuse them. Once the ring grows past the
   pool's idle segments, its next ``RING_AHEAD`` are made on the store's maker threads.
 - **Kept segments** (a retention budget with room for the load): one segment per batch, paid by
   a claim on the resident store; once loaded, the resident copy owns it and serves later loads
   from it (``resident``). The first slot batches take the pool's idle segments of the slot size
-  (the standing ring, made already: ``SegmentPool.adopt``), which the pool makes again once the
-  session ends; the other batches get segments of their exact size, made ahead of need, up to
+  (the standing ring, made already: ``SegmentPool.adopt``; those made are taken out of the pool
+  as the load is planned, those still on their way as their batch is due), which the pool makes
+  again once the session ends; the other batches get segments of their exact size, made ahead of need, up to
   ``KEPT_AHEAD`` at a time on the store's maker threads, while Run:ai reads into the ones before
   (the claim already pays for every one of them, so making them early takes nothing more). New
   shared memory comes only as fast as the kernel zero-fills it, slower than object storage on
@@ -43,7 +44,8 @@ from ..checkpoint.plan import Batch, BatchKind, Placement, Plan
 from ..load.ring import Ring
 from ..sizing import ring_slots
 from .resident import ResidentCopy, ResidentStore
-from .shm import CREATE_WORKERS, Reservation, Segment, SegmentPool
+from .segment_pool import SegmentPool
+from .shm import CREATE_WORKERS, Reservation, Segment
 
 __all__ = ["KEPT_AHEAD", "SegmentSlot", "SessionBuffers", "handle"]
 
@@ -99,7 +101,9 @@ class SessionBuffers:
         self._claimed = 0  # resident bytes claimed for this session's own segments
         self._upcoming: deque[Batch] = deque()  # batches still to get a kept segment, in plan order
         self._ahead: deque[tuple[Batch, Future[Segment]]] = deque()  # kept segments on their way
-        self._adopting: deque[Batch] = deque()  # batches to take one of the pool's segments, in plan order
+        # Batches that take one of the pool's segments, in plan order, with it (``None``: still on
+        # its way when the load was planned, taken when the pipeline asks for it).
+        self._adopting: deque[tuple[Batch, Segment | None]] = deque()
         self._adopted = False  # the pool gave segments: it makes its standing ring again at the end
 
     # ------------------------------------------------------------------ the resident copy
@@ -152,7 +156,9 @@ class SessionBuffers:
         larger = sum(slot - pages.round(b.buffer_bytes) for b in fits)  # what the slot-sized ones add
         if fits and self._resident.claim(self._copy, exact + larger):
             self._claimed = exact + larger
-            self._adopting.extend(fits)
+            idle = self._pool.adopt(slot, len(fits), wait=False)  # out of the pool now: no other session takes them
+            self._adopted = bool(idle)
+            self._adopting.extend(zip(fits, [*idle, *[None] * (len(fits) - len(idle))]))
         elif self._resident.claim(self._copy, exact):
             self._claimed = exact
             fits = []
@@ -173,14 +179,16 @@ class SessionBuffers:
         return self._ring.take(functools.partial(self._new_slot, nbytes, oversized), oversized=oversized)
 
     def _kept_segment(self, batch: Batch) -> Segment:
-        if self._adopting and self._adopting[0] is batch:
-            self._adopting.popleft()
+        if self._adopting and self._adopting[0][0] is batch:
+            segment = self._adopting.popleft()[1]
+            if segment is not None:
+                return segment
             pages = self._pool.store.pages
             adopted = self._pool.adopt(pages.round(self._slot_size), 1)  # waits only for one on its way
             if adopted:
                 self._adopted = True
                 return adopted[0]
-            # Another session took it meanwhile: a segment of the batch's size, and the claim shrinks to it.
+            # Another session took it once made: a segment of the batch's size, and the claim shrinks to it.
             larger = pages.round(self._slot_size) - pages.round(batch.buffer_bytes)
             self._resident.settle(larger)
             self._claimed -= larger
@@ -235,11 +243,14 @@ class SessionBuffers:
             slots, self._slots = self._slots, []
             self._ring.drain()
         ahead, self._ahead = self._ahead, deque()
+        adopting, self._adopting = self._adopting, deque()
         self._upcoming.clear()
-        self._adopting.clear()
         for _, future in ahead:  # made for batches the load never reached
             with contextlib.suppress(Exception):
                 future.result().close()
+        for _, segment in adopting:  # adopted for batches the load never reached
+            if segment is not None:
+                segment.close()
         if self._adopted:
             self._pool.restand()
         for slot in slots:

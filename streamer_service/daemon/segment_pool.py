@@ -1,0 +1,239 @@
+"""The node's segments between loads: idle ones kept for reuse, and rings made ahead of need.
+
+A :class:`SegmentPool` hands sessions the segments their rings take, within the daemon's
+:class:`~.shm.ShmBudget`, and takes them back when a session ends. What it keeps idle, what it
+makes in the background (at start, and when a ring grows) and what a retained load takes out of
+it for good is in the class docstring; the segments themselves are :mod:`.shm`'s.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from concurrent.futures import Future
+
+from streamer_client.errors import ConfigError
+
+from .shm import Reservation, Segment, SegmentStore, ShmBudget
+
+__all__ = ["SegmentPool"]
+
+log = logging.getLogger(__name__)
+
+
+class SegmentPool:
+    """Segments for every session of the daemon, within one :class:`ShmBudget`.
+
+    A ring segment a session no longer needs stays mapped and idle for ``idle_s`` seconds, and
+    the next session that needs one of its size takes it as it is: its pages are already
+    allocated, so the load skips the zero-fill (about 60 ms per 256 MiB) and the first-touch
+    faults (docs/architecture.md: "slots recycle"). Idle segments count against the budget; a request
+    that does not fit evicts them first. ``idle_s = 0`` keeps nothing.
+
+    Prepared segments (:meth:`start_preparing`, when the daemon starts): ring segments made ahead
+    of the first load, in parallel and off any load's thread, so that the first load finds them
+    as a later load finds the last one's. They wait for that first load however late it comes;
+    from its first request on, they are idle segments like any other. A ring that grows past
+    them asks for its next slots the same way (:meth:`make_ahead`).
+
+    The standing ring (``standing=True`` when preparing): as many idle segments of that size as
+    were prepared are never trimmed, so a load that comes after a long idle spell starts on
+    segments whose pages are allocated and mapped, as the first load did (new shared memory comes
+    only as fast as the kernel zero-fills and maps it). Only what a load grew past them goes after
+    ``idle_s``; a request the budget cannot hold evicts them like any idle segment. A retained
+    load adopts them for its first batches (:meth:`adopt`: its claim pays for them from then on)
+    and the pool makes them again when its session ends (:meth:`restand`).
+    """
+
+    def __init__(self, store: SegmentStore, budget: ShmBudget, idle_s: float) -> None:
+        self.store = store
+        self.budget = budget
+        self.idle_s = idle_s
+        self.reused = 0
+        self.prepared = 0  # segments made by start_preparing
+        # (segment, reservation, idle since); since None: prepared, waiting for the first load
+        self._idle: list[tuple[Segment, Reservation, float | None]] = []
+        self._making = 0  # prepared segments on their way, of ``_making_size`` bytes
+        self._making_size = 0
+        self._closed = False
+        self._first_taken = False
+        self._standing: tuple[int, int] = (0, 0)  # (segment bytes, count) never trimmed
+        self._lock = threading.Condition()
+
+    def start_preparing(self, nbytes: int, count: int, *, standing: bool = False) -> None:
+        """Make up to ``count`` idle segments of ``nbytes`` in the background, within the budget
+        (segments of one size at a time: a call for another size while some are on their way
+        makes none). ``standing``: keep that many of them idle for good (see the class docstring)."""
+        nbytes = self.store.pages.round(nbytes)
+        with self._lock:
+            if self._closed or (self._making and self._making_size != nbytes):
+                return
+            if standing:
+                self._standing = (nbytes, count)
+            reservations = []
+            while len(reservations) < count:
+                reservation = self.budget.try_take(nbytes)
+                if reservation is None:
+                    break
+                reservations.append(reservation)
+            self._making += len(reservations)
+            self._making_size = nbytes
+        for reservation in reservations:
+            try:
+                future = self.store.create_soon(nbytes)
+            except BaseException:
+                self._made(None, reservation)
+                raise
+            future.add_done_callback(functools.partial(self._made, reservation=reservation))
+
+    def make_ahead(self, nbytes: int, wanted: int) -> None:
+        """Segments of ``nbytes`` idle or on their way: at least ``wanted`` (a ring that grew makes
+        its next slots off the load's thread, so growing again does not wait for a zero-fill)."""
+        if self.idle_s <= 0:  # no idle segments wanted: each is made when a load needs it
+            return
+        nbytes = self.store.pages.round(nbytes)
+        have = self.available(nbytes)
+        if wanted > have:
+            self.start_preparing(nbytes, wanted - have)
+
+    def _made(self, future: Future[Segment] | None, reservation: Reservation) -> None:
+        segment = None
+        if future is not None:
+            try:
+                segment = future.result()
+            except Exception as exc:  # noqa: BLE001 - a load that needs the room says it as a ConfigError
+                log.warning("could not make a shared-memory segment ahead of need: %s", exc)
+        with self._lock:
+            self._making -= 1
+            if segment is not None and not self._closed:
+                self._idle.append((segment, reservation, time.monotonic() if self._first_taken else None))
+                self.prepared += 1
+                segment = reservation = None
+            self._lock.notify_all()
+        if segment is not None:
+            segment.close()
+        if reservation is not None:
+            self.budget.give_back(reservation)
+
+    def take(self, nbytes: int, *, oversized: bool = False) -> tuple[Segment, Reservation] | None:
+        """A segment of ``nbytes`` (in whole huge pages where the dir has them): an idle one, or a
+        new one if the budget allows; else None. Waits for a prepared one of that size on its way."""
+        nbytes = self.store.pages.round(nbytes)
+        with self._lock:
+            # An oversized batch takes an idle segment of its exact size too: a reload of the same
+            # checkpoint skips the zero-fill and first touch of its largest tensors (0.4 s/GiB on 4 KiB
+            # pages on an H200 host).
+            got = self._take_idle(nbytes)
+        if got is not None:
+            return got
+        reservation = self.budget.try_take(nbytes, oversized=oversized)
+        if reservation is None and self._evict_idle():
+            reservation = self.budget.try_take(nbytes, oversized=oversized)
+        if reservation is None:
+            return None
+        try:
+            try:
+                return self.store.create(nbytes), reservation
+            except ConfigError:  # a shm dir smaller than the budget: idle segments never stand in the way
+                if not self._evict_idle():
+                    raise
+                return self.store.create(nbytes), reservation
+        except BaseException:
+            self.budget.give_back(reservation)
+            raise
+
+    def adopt(self, nbytes: int, count: int, *, wait: bool = True) -> list[Segment]:
+        """Up to ``count`` idle segments of ``nbytes`` (``wait``: also those on their way, as they
+        come), out of the pool for good: their bytes leave the budget, and whoever adopts them pays
+        for them and closes them (a retained load's claim). :meth:`restand` makes the standing ring
+        whole again."""
+        nbytes = self.store.pages.round(nbytes)
+        adopted = []
+        with self._lock:
+            while len(adopted) < count and (got := self._take_idle(nbytes, wait=wait)) is not None:
+                adopted.append(got)
+        for _, reservation in adopted:
+            self.budget.give_back(reservation)
+        return [segment for segment, _ in adopted]
+
+    def available(self, nbytes: int) -> int:
+        """Idle segments of ``nbytes``, and those on their way."""
+        nbytes = self.store.pages.round(nbytes)
+        with self._lock:
+            return sum(s.nbytes == nbytes for s, _, _ in self._idle) + (self._making if self._making_size == nbytes else 0)
+
+    def restand(self) -> None:
+        """Make the standing ring whole again in the background, where segments of it were adopted."""
+        size, count = self._standing
+        if count:
+            self.make_ahead(size, count)
+
+    def _take_idle(self, nbytes: int, *, wait: bool = True) -> tuple[Segment, Reservation] | None:
+        """An idle segment of exactly ``nbytes``, waiting for one on its way (``wait``); ``None`` if
+        there is none. Called under the lock."""
+        # The first load has started: prepared segments it leaves are idle like any other from now.
+        self._first_taken = True
+        self._idle = [(s, r, time.monotonic() if since is None else since) for s, r, since in self._idle]
+        while True:
+            for i, (segment, reservation, _) in enumerate(self._idle):
+                if segment.nbytes == nbytes:
+                    del self._idle[i]
+                    self.reused += 1
+                    return segment, reservation
+            if not (wait and self._making and self._making_size == nbytes):
+                return None
+            self._lock.wait()  # it holds budget this request would otherwise not find
+
+    def give(self, segment: Segment, reservation: Reservation, *, keep: bool, now: float) -> None:
+        """Return a segment no session uses; ``keep`` it idle for reuse, or unlink it now."""
+        with self._lock:
+            if keep and self.idle_s > 0 and not reservation.beyond_budget:
+                self._idle.append((segment, reservation, now))
+                return
+        segment.close()
+        self.budget.give_back(reservation)
+
+    def trim(self, now: float) -> None:
+        """Unlink segments idle for longer than ``idle_s`` (prepared ones wait for the first load),
+        but for the standing ring's."""
+        with self._lock:
+            size, count = self._standing
+            fresh = [e for e in self._idle if e[2] is None or now - e[2] < self.idle_s]
+            stale = [e for e in self._idle if e[2] is not None and now - e[2] >= self.idle_s]
+            stand = max(0, count - sum(e[0].nbytes == size for e in fresh))
+            kept, gone = [], []
+            for entry in stale:
+                (kept if entry[0].nbytes == size and len(kept) < stand else gone).append(entry)
+            self._idle = fresh + kept
+        self._close(gone)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            while self._making:  # every segment on its way is closed as it comes
+                self._lock.wait()
+            idle, self._idle = self._idle, []
+        self._close(idle)
+
+    @property
+    def idle(self) -> int:
+        with self._lock:
+            return len(self._idle)
+
+    @property
+    def preparing(self) -> bool:
+        with self._lock:
+            return self._making > 0
+
+    def _evict_idle(self) -> bool:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        self._close(idle)
+        return bool(idle)
+
+    def _close(self, entries: list[tuple[Segment, Reservation, float | None]]) -> None:
+        for segment, reservation, _ in entries:
+            segment.close()
+            self.budget.give_back(reservation)
