@@ -244,15 +244,20 @@ def test_a_budget_of_few_slots_is_served_with_a_warning(tmp_path):
         [*CLI, "serve", "--socket", str(sock), "--shm-dir", str(shm), "--shm-budget", "256KiB"],
         env={**os.environ, "STREAMER_SLOT_SIZE": "1MiB"}, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    # Stopped once it says it serves: the socket file exists a moment before that line is logged.
+    # Stopped once it answers: the line is logged as the socket is bound, before the server has
+    # started (and taken over SIGINT).
+    from streamer_client.connection import DaemonClient
+
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
     reader.start()
+    client = DaemonClient(sock)
     try:
         deadline = time.monotonic() + 60
-        while not any("serving on unix socket" in line for line in lines) and proc.poll() is None and time.monotonic() < deadline:
+        while not client.reachable() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
     finally:
+        client.close()
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=30)
         reader.join(timeout=30)
