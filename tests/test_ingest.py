@@ -32,6 +32,14 @@ from streamer_service.storage import open_storage
 from streamer_service.uri import parse_uri
 
 KIB = 1024
+
+
+def _new_memory(batch):
+    """A pipeline's buffer source: new memory for each batch (``memory`` keeps it alive)."""
+    memory = torch.empty(batch.buffer_bytes, dtype=torch.uint8)
+    return SimpleNamespace(address=memory.data_ptr(), nbytes=memory.numel(), memory=memory), None
+
+
 DELAY_S = 0.030
 
 
@@ -160,17 +168,11 @@ def test_a_local_load_reads_one_batch_a_request_whatever_its_bound(tmp_path):
     plan = build_plan(list(catalog.tensors), slot)
     batches = [b for b in plan.batches if b.ranges]
     assert len(batches) == 16 and submission_size(8 * slot) == 4 * slot
-    held = []
-
-    def acquire(batch):
-        memory = torch.empty(batch.buffer_bytes, dtype=torch.uint8)
-        held.append(memory)
-        return SimpleNamespace(address=memory.data_ptr(), nbytes=memory.numel(), memory=memory), None
 
     stats = LoadStats()
     got = {}
     with mapped.MappedReader() as reader:
-        pipeline = Pipeline(uri, plan, reader, acquire, stats, in_flight=8 * slot)
+        pipeline = Pipeline(uri, plan, reader, _new_memory, stats, in_flight=8 * slot)
         for load in pipeline.loaded(lambda: None):
             for placed in load.batch.placements:
                 start = placed.buffer_offset
@@ -185,12 +187,7 @@ def test_the_loads_line_counts_the_time_its_version_checks_held_the_loading_thre
     make_sharded_checkpoint(src, {f"w{i}": torch.full((64, 64), float(i)) for i in range(4)}, n_shards=1)
     uri = parse_uri(str(src))
     plan = build_plan(list(build_catalog(open_storage(uri, Settings())).tensors), 16 * KIB)
-    held, checked = [], []
-
-    def acquire(batch):
-        memory = torch.empty(batch.buffer_bytes, dtype=torch.uint8)
-        held.append(memory)
-        return SimpleNamespace(address=memory.data_ptr(), nbytes=memory.numel()), None
+    checked = []
 
     def check(batch, landed):
         checked.append(batch)
@@ -200,7 +197,7 @@ def test_the_loads_line_counts_the_time_its_version_checks_held_the_loading_thre
     expected = []
     stats = LoadStats()
     with mapped.MappedReader() as reader:
-        loads = list(Pipeline(uri, plan, reader, acquire, stats, versions).loaded(lambda: None))
+        loads = list(Pipeline(uri, plan, reader, _new_memory, stats, versions).loaded(lambda: None))
     assert len(checked) == len(loads) == sum(1 for b in plan.batches if b.ranges) == 4
     assert expected == checked  # each asked for as it landed, in the order they were delivered
     assert stats.verify_seconds >= 0.04
@@ -215,19 +212,14 @@ def test_the_request_a_landed_batch_made_room_for_goes_out_before_its_version_ch
     uri = parse_uri(str(src))
     plan = build_plan(list(build_catalog(open_storage(uri, Settings())).tensors), 16 * KIB)
     batches = [b for b in plan.batches if b.ranges]
-    held, submitted_at_check = [], []
-
-    def acquire(batch):
-        memory = torch.empty(batch.buffer_bytes, dtype=torch.uint8)
-        held.append(memory)
-        return SimpleNamespace(address=memory.data_ptr(), nbytes=memory.numel()), None
+    submitted_at_check = []
 
     stats = LoadStats()
     versions = SimpleNamespace(
         expect=lambda batch, landed: None, check=lambda b, landed: submitted_at_check.append(stats.submissions)
     )
     with mapped.MappedReader() as reader:
-        loads = list(Pipeline(uri, plan, reader, acquire, stats, versions, in_flight=16 * KIB).loaded(lambda: None))
+        loads = list(Pipeline(uri, plan, reader, _new_memory, stats, versions, in_flight=16 * KIB).loaded(lambda: None))
     assert len(loads) == len(batches) == stats.submissions == 4
     # Checking batch k, batch k + 1 was already asked for (but after the last, there is none).
     assert submitted_at_check == [2, 3, 4, 4]

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 import threading
 from collections import deque
@@ -139,16 +140,15 @@ class SessionBuffers:
         """Size the buffers for ``plan``: with room in the retention budget its bytes will stay
         resident (kept segments); otherwise they go through a ring of slots."""
         loaded = [b for b in plan.batches if b.ranges]  # the pipeline's order of acquire
-        if self._copy is not None and loaded and not self._retain(loaded):
-            need = sum(self._pool.store.pages.round(b.buffer_bytes) for b in loaded)
-            log.info("session %s: %d bytes to load do not fit the retention budget; streaming through the ring", session, need)
+        if self._copy is not None and loaded:
+            self._retain(loaded, session)
         slot_batches = sum(b.kind is BatchKind.SLOT and b.buffer_bytes > 0 for b in plan.batches)
         # Ring segments are all of the daemon's slot size, so that later sessions can reuse them.
         self._ring.capacity = ring_slots(self._pool.budget.limit, self._slot_size, slot_batches)
 
-    def _retain(self, batches: list[Batch]) -> bool:
+    def _retain(self, batches: list[Batch], session: str) -> None:
         """Claim room for ``batches`` in the retention budget (whole pages; a slot for each that
-        takes one of the pool's segments); ``False``: no room, they go through the ring."""
+        takes one of the pool's segments); with no room they go through the ring."""
         pages = self._pool.store.pages
         slot = pages.round(self._slot_size)
         exact = sum(pages.round(b.buffer_bytes) for b in batches)
@@ -158,16 +158,16 @@ class SessionBuffers:
             self._claimed = exact + larger
             idle = self._pool.adopt(slot, len(fits), wait=False)  # out of the pool now: no other session takes them
             self._adopted = bool(idle)
-            self._adopting.extend(zip(fits, [*idle, *[None] * (len(fits) - len(idle))]))
+            self._adopting.extend(itertools.zip_longest(fits, idle))  # None: still on its way
         elif self._resident.claim(self._copy, exact):
             self._claimed = exact
             fits = []
         else:
-            return False
+            log.info("session %s: %d bytes to load do not fit the retention budget; streaming through the ring", session, exact)
+            return
         adopting = {id(b) for b in fits}
         self._upcoming.extend(b for b in batches if id(b) not in adopting)
         self._make_ahead()
-        return True
 
     def acquire(self, batch: Batch) -> SegmentSlot | None:
         """A segment for ``batch``: a kept one, a free ring slot, a new one while the ring may grow,
