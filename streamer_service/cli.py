@@ -70,7 +70,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except SettingsError as exc:
         return _startup_error(args, str(exc), exc)
     try:
-        return serve(settings)
+        return serve(settings, args.stops)
     except (ConfigError, InvalidURIError) as exc:
         # Refused before anything was bound or served (server.check_startup, bind_unix_socket).
         return _startup_error(args, str(exc), exc)
@@ -262,18 +262,28 @@ def _error(message: str, code: int, *, json_lines: bool, command: str | None, ex
 
 
 class _Parser(argparse.ArgumentParser):
-    json_lines = False  # set by main() before parsing; subcommand parsers are of this class too
+    argv: Sequence[str] = ()  # set by main() before parsing; subcommand parsers are of this class too
 
     def error(self, message: str):  # argparse: usage errors exit 2
-        if not _Parser.json_lines:
+        if not _json_requested(_Parser.argv):
             super().error(message)
         self.exit(_error(f"{self.prog}: error: {message}", EXIT_USAGE, json_lines=True, command=None))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    _Parser.json_lines = _json_requested(argv)
+    _Parser.argv = argv
     args = build_parser().parse_args(argv)
+    if args.command != "serve":
+        return _run(args)
+    from .daemon.stop_signals import StopSignals
+
+    # Before anything heavy is imported: a stop that comes while the daemon starts is kept, not lost.
+    with StopSignals() as args.stops:
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         settings = get_settings()
         level = (args.log_level or settings.log_level).upper()

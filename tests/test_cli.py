@@ -244,8 +244,7 @@ def test_a_budget_of_few_slots_is_served_with_a_warning(tmp_path):
         [*CLI, "serve", "--socket", str(sock), "--shm-dir", str(shm), "--shm-budget", "256KiB"],
         env={**os.environ, "STREAMER_SLOT_SIZE": "1MiB"}, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    # Stopped once it answers: the line is logged as the socket is bound, before the server has
-    # started (and taken over SIGINT).
+    # Stopped once it answers: its log then holds the whole start-up.
     from streamer_client.connection import DaemonClient
 
     lines: list[str] = []

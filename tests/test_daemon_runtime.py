@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -213,6 +214,57 @@ def test_readiness_says_whether_the_shm_filesystem_holds_a_loads_ring(tmp_path, 
 
 
 # --------------------------------------------------------------------------- SIGTERM
+
+
+# The daemon's command line, with the signal raised inside a finalizer as the named function of
+# the start-up is called: the moment a stop can come, made exact. Python's default SIGINT handler
+# raises KeyboardInterrupt there, which a finalizer swallows; SIGTERM's default ends the process.
+_STOP_WHILE_STARTING = textwrap.dedent(
+    """
+    import signal, sys
+    from streamer_service.cli import main
+
+    moment, sig = sys.argv[1], getattr(signal, sys.argv[2])
+
+    class Dropped:
+        def __del__(self):
+            signal.raise_signal(sig)
+
+    def hook(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == moment:
+            sys.setprofile(None)
+            Dropped()
+
+    sys.setprofile(hook)
+    sys.exit(main(sys.argv[3:]))
+    """
+)
+
+
+@pytest.mark.parametrize("sig, code", [("SIGINT", 130), ("SIGTERM", 0)])
+@pytest.mark.parametrize(
+    "moment",
+    [
+        "bind_unix_socket",  # before the server would start: it does not
+        "capture_signals",  # as uvicorn is about to take the signals over: it starts, then stops
+    ],
+)
+def test_a_stop_that_comes_while_the_daemon_starts_stops_it(tmp_path, moment, sig, code):
+    shm, sock = tmp_path / "shm", tmp_path / "d.sock"
+    shm.mkdir(exist_ok=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _STOP_WHILE_STARTING, moment, sig, "serve", "--socket", str(sock), "--shm-dir", str(shm),
+         "--shm-budget", "4MiB"],
+        env={**os.environ, "STREAMER_SLOT_SIZE": "1MiB"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == code, out[-3000:]
+    assert "Exception ignored" not in out, out[-3000:]
+    assert ("Application startup complete" in out) == (moment == "capture_signals"), out[-3000:]
+    assert list(shm.iterdir()) == [] and not sock.exists()
 
 
 def test_sigterm_mid_load_tells_every_rank_the_daemon_is_stopping(sample, tmp_path):

@@ -8,7 +8,6 @@ import logging
 import os
 import resource
 import shutil
-import signal
 import socket
 import stat
 import subprocess
@@ -30,6 +29,7 @@ from ..uri import parse_uri
 from .api import PeerCredentialsProtocol, create_app
 from .scrape import MetricsListener
 from .stats import DaemonStats
+from .stop_signals import StopSignals
 
 __all__ = ["DEFAULT_SOCKET", "ChildDaemon", "check_startup", "serve", "bind_unix_socket"]
 
@@ -114,7 +114,10 @@ def check_startup(settings: Settings) -> None:
         log.warning("%s", warning)
 
 
-def serve(settings: Settings) -> int:
+def serve(settings: Settings, stops: StopSignals) -> int:
+    """Serve until SIGINT or SIGTERM (recorded by ``stops``, entered by the caller), then clean
+    up: 0 for SIGTERM, KeyboardInterrupt for SIGINT. A stop that came before the server would
+    start skips it."""
     path = Path(settings.socket) if settings.socket else DEFAULT_SOCKET
     mode = socket_mode(settings)
     check_startup(settings)
@@ -156,14 +159,8 @@ def serve(settings: Settings) -> int:
             lifespan="on",
             http=PeerCredentialsProtocol,  # ranks' PIDs, so a dead rank is reclaimed at once
         )
-        # uvicorn shuts down gracefully on SIGTERM and then raises the signal again, which would end
-        # the process with 143 before this finally removes the socket. It raises it to
-        # the handler it found: ours ends the process with 0 once everything is cleaned up.
-        previous = signal.signal(signal.SIGTERM, _stopped)
-        try:
-            _Server(config, app).run(sockets=sockets)
-        finally:
-            signal.signal(signal.SIGTERM, previous)
+        if not stops.received:
+            _Server(config, app, stops).run(sockets=sockets)
     finally:
         if listener is not None:
             listener.close()
@@ -172,15 +169,24 @@ def serve(settings: Settings) -> int:
         if sockets:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
+    if stops.interrupted:
+        raise KeyboardInterrupt
     return 0
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, which tells the ranks that the daemon stops before it stops serving them."""
+    """uvicorn's server, which acts on the stops received before it took the signals over and
+    tells the ranks that the daemon stops before it stops serving them."""
 
-    def __init__(self, config: uvicorn.Config, app) -> None:
+    def __init__(self, config: uvicorn.Config, app, stops: StopSignals) -> None:
         super().__init__(config)
         self._app = app
+        self._stops = stops
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        for sig in list(self._stops.received):  # uvicorn's handlers are in force: these came before
+            self.handle_exit(sig, None)
+        await super().startup(sockets)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         daemon = getattr(self._app.state, "daemon", None)
@@ -202,10 +208,6 @@ def _raise_open_files_limit() -> None:
         log.warning("open files: soft limit %d, could not raise it to %d: %s", soft, target, exc)
     else:
         log.info("open files: soft limit raised from %d to %d", soft, target)
-
-
-def _stopped(signum: int, frame) -> None:
-    raise SystemExit(0)
 
 
 def _render_metrics(app) -> bytes | None:
