@@ -107,11 +107,13 @@ class _Event(Protocol):
     def synchronize(self) -> None: ...
 
 
-@dataclass(eq=False)
 class Fence:
     """The point on a copier's stream after the copies issued before it."""
 
-    event: _Event
+    __slots__ = ("event",)
+
+    def __init__(self, event: _Event) -> None:
+        self.event = event
 
     def done(self) -> bool:
         return bool(self.event.query())

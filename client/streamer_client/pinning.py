@@ -24,7 +24,6 @@ import logging
 import threading
 import time
 import warnings
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -103,11 +102,13 @@ def _clear_last_error() -> None:
         library.cudaGetLastError()
 
 
-@dataclass
 class _Entry:
-    nbytes: int
-    refs: int
-    ours: bool  # False: registered by someone else before us; never unregistered here
+    __slots__ = ("nbytes", "refs", "ours")
+
+    def __init__(self, nbytes: int, refs: int, *, ours: bool) -> None:
+        self.nbytes = nbytes
+        self.refs = refs
+        self.ours = ours  # False: registered by someone else before us; never unregistered here
 
 
 class _Registry:

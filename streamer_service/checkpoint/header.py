@@ -30,7 +30,7 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from streamer_client.dtypes import DTYPES
 from streamer_client.errors import HeaderError
@@ -109,8 +109,7 @@ class FileHeader:
         return HEADER_LEN_BYTES + self.header_len
 
 
-@dataclass(frozen=True)
-class _Entry:
+class _Entry(NamedTuple):
     """One tensor entry after type checks, before layout checks."""
 
     name: str

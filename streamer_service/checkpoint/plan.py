@@ -35,7 +35,7 @@ import bisect
 import enum
 import mmap
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from streamer_client.errors import ConfigError, SelectionError
 
@@ -135,14 +135,16 @@ def delivery_order(tensors: Sequence[TensorInfo], priority: Sequence[str] | None
     return sorted(tensors, key=group)  # stable: checkpoint order within a group
 
 
-@dataclass(frozen=True)
 class _Entries:
     """Validated selection or priority entries against the names they may match."""
 
-    what: str
-    entries: tuple[str, ...]
-    sorted_names: tuple[str, ...]
-    names: frozenset[str]
+    __slots__ = ("what", "entries", "sorted_names", "names")
+
+    def __init__(self, what: str, entries: tuple[str, ...], sorted_names: tuple[str, ...], names: frozenset[str]) -> None:
+        self.what = what
+        self.entries = entries
+        self.sorted_names = sorted_names
+        self.names = names
 
     @classmethod
     def parse(cls, entries: Sequence[str], what: str, names: Sequence[str]) -> _Entries:
@@ -324,15 +326,17 @@ def _padded(cursor: int, file_offset: int, align: int) -> int:
     return cursor + (file_offset - cursor) % align
 
 
-@dataclass
 class _SlotPacker:
     """Accumulates one slot batch; ``add`` says whether the tensor fit."""
 
-    slot_size: int
-    align: int
-    ranges: list[FileRange] = field(default_factory=list)
-    placements: list[Placement] = field(default_factory=list)
-    cursor: int = 0  # buffer bytes used so far
+    __slots__ = ("slot_size", "align", "ranges", "placements", "cursor")
+
+    def __init__(self, slot_size: int, align: int) -> None:
+        self.slot_size = slot_size
+        self.align = align
+        self.ranges: list[FileRange] = []
+        self.placements: list[Placement] = []
+        self.cursor = 0  # buffer bytes used so far
 
     def add(self, tensor: TensorInfo) -> bool:
         if tensor.nbytes == 0:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from streamer_client.leases import Leases
 
@@ -39,11 +39,13 @@ class EngineStats(LoadStats):
         self.buffer_bytes -= nbytes
 
 
-@dataclass(eq=False)
 class Slot:
-    buffer: HostBuffer
-    # (tensor name, weakref to the numpy view a borrowed tensor was built on), since last filled.
-    leases: Leases = field(default_factory=Leases)
+    __slots__ = ("buffer", "leases")
+
+    def __init__(self, buffer: HostBuffer) -> None:
+        self.buffer = buffer
+        # (tensor name, weakref to the numpy view a borrowed tensor was built on), since last filled.
+        self.leases = Leases()
 
 
 class Slots:

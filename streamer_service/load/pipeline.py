@@ -93,7 +93,6 @@ class LoadStats:
         )
 
 
-@dataclass(eq=False)
 class Load:
     """One batch on its way: its buffer (``None`` for a batch of empty tensors) and its progress.
 
@@ -101,13 +100,16 @@ class Load:
     the caller with the loaded batch.
     """
 
-    index: int
-    batch: Batch
-    buffer: Buffer | None
-    token: Any
-    remaining: int
-    failed: RangeResult | None = None
-    landed: float | None = None  # time.monotonic() when its last range answered
+    __slots__ = ("index", "batch", "buffer", "token", "remaining", "failed", "landed")
+
+    def __init__(self, index: int, batch: Batch, buffer: Buffer | None, token: Any, remaining: int) -> None:
+        self.index = index
+        self.batch = batch
+        self.buffer = buffer
+        self.token = token
+        self.remaining = remaining
+        self.failed: RangeResult | None = None
+        self.landed: float | None = None  # time.monotonic() when its last range answered
 
     @property
     def done(self) -> bool:

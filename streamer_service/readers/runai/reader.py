@@ -28,7 +28,6 @@ from __future__ import annotations
 import ctypes
 import enum
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -91,11 +90,13 @@ _STORAGE_ERRORS: dict[int, type[StorageError]] = {
 }
 
 
-@dataclass
 class _Submission:
-    files: tuple[FileReads, ...]
-    keepalive: Any  # the destination buffers: referenced until the backend is done with them
-    remaining: int
+    __slots__ = ("files", "keepalive", "remaining")
+
+    def __init__(self, files: tuple[FileReads, ...], keepalive: Any, remaining: int) -> None:
+        self.files = files
+        self.keepalive = keepalive  # the destination buffers: referenced until the backend is done with them
+        self.remaining = remaining
 
 
 class NativeReader:
