@@ -33,13 +33,23 @@ SLOT = 512 * 1024
 
 class RecordingStore(SegmentStore):
     """A real store that notes which thread made each segment (a spy: nothing is faked); a maker
-    thread waits for ``gate`` before it makes one (open unless a test closes it)."""
+    thread waits for ``gate`` before it makes one (open unless a test closes it). ``makers_left``:
+    how many more segments :meth:`create_soon` may hand to a maker thread before it fails as
+    ``ThreadPoolExecutor.submit`` does when no thread can be started (None: no limit)."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.made_by: list[str] = []
         self.gate = threading.Event()
         self.gate.set()
+        self.makers_left: int | None = None
+
+    def create_soon(self, nbytes: int):
+        if self.makers_left is not None:
+            if self.makers_left == 0:
+                raise RuntimeError("can't start new thread")
+            self.makers_left -= 1
+        return super().create_soon(nbytes)
 
     def create(self, nbytes: int):
         if threading.current_thread().name.startswith("segment-maker"):
@@ -344,3 +354,86 @@ def test_a_second_retained_load_planned_meanwhile_leaves_the_first_its_segments(
     assert pool.idle == 2  # the standing ring, made again
     resident.close()
     other_resident.close()
+
+
+def _other_copy(node, resident: ResidentStore, nbytes: int, *, pinned: bool = False):
+    """Another checkpoint's resident copy: one segment of ``nbytes``; ``pinned``: a session serves from it."""
+    copy = resident.pin(f"file:///other-{nbytes}-{pinned}", "g")
+    assert resident.claim(copy, nbytes) == nbytes
+    resident.add(copy, node.store.create(nbytes), [("t", 0)])
+    if not pinned:
+        resident.unpin(copy)
+    return copy
+
+
+@pytest.mark.parametrize("other_is_smaller", [True, False], ids=["smaller-than-the-slot-rounding", "larger"])
+def test_slot_sized_segments_evict_no_copy_the_exact_ones_fit_beside(node, other_is_smaller):
+    pool = node.pool(4 * SLOT, idle_s=5)
+    pool.start_preparing(SLOT, 2, standing=True)
+    _prepared(pool)
+    standing = {p.name for p in node.shm.iterdir()}
+    pages = node.store.pages
+    batches = _loaded_batches(node)
+    exact = sum(pages.round(b.buffer_bytes) for b in batches)
+    larger = sum(pages.round(SLOT) - pages.round(b.buffer_bytes) for b in [b for b in batches if b.kind is BatchKind.SLOT][:2])
+    # Smaller: evicting it would not make room for the slot rounding; larger: it would.
+    other = pages.size if other_is_smaller else pages.round(larger) + pages.size
+    busy = pages.round(larger)  # a copy a session serves from: never evicted
+    resident = ResidentStore(exact + other + busy)  # this load's exact segments fit beside both copies
+    serving = _other_copy(node, resident, busy, pinned=True)
+    _other_copy(node, resident, other)
+    buffers, first, _ = _retaining(node, pool, resident)
+    try:
+        assert resident.evictions == 0 and resident.used == exact + other + busy  # exact segments, both copies kept
+        assert pool.idle == 2 and buffers.acquire(first).segment.name not in standing
+    finally:
+        buffers.release()
+        resident.unpin(serving)
+        resident.close()
+
+
+def test_a_retained_load_that_ends_before_its_adopted_segments_gives_them_back_to_the_pool(node):
+    pool = node.pool(4 * SLOT, idle_s=5)
+    pool.start_preparing(SLOT, 2, standing=True)
+    _prepared(pool)
+    standing = {p.name for p in node.shm.iterdir()}
+    resident = ResidentStore(64 * 2**20)
+    buffers, first, _ = _retaining(node, pool, resident)
+    assert pool.idle == 0 and pool.budget.in_use == 0  # adopted
+    buffers.release()  # cancelled before its first batch
+    _prepared(pool)
+    # The same two segments, idle again, and none made in their place.
+    assert pool.idle == 2 and pool.budget.in_use == 2 * SLOT and resident.used == 0
+    assert {p.name for p in node.shm.iterdir()} == standing
+    resident.close()
+
+
+def test_a_session_that_ends_while_the_daemon_stops_makes_no_segment_for_the_pool_to_close(node):
+    pool = node.pool(4 * SLOT, idle_s=5)
+    pool.start_preparing(SLOT, 2, standing=True)
+    _prepared(pool)
+    standing = {p.name for p in node.shm.iterdir()}
+    resident = ResidentStore(64 * 2**20)
+    buffers, first, _ = _retaining(node, pool, resident)
+    used = buffers.acquire(first).segment  # one adopted segment in use, never filled
+    pool.stop_making()  # Daemon.tell_stopping, before it cancels the sessions
+    buffers.release()
+    # The one never reached is back; the ring is not made again.
+    assert not pool.preparing and pool.idle == pool.available(SLOT) == 1
+    assert {p.name for p in node.shm.iterdir()} == standing - {used.name}
+    pool.close()
+    assert list(node.shm.iterdir()) == [] and pool.budget.in_use == 0
+    resident.close()
+
+
+def test_a_maker_thread_that_cannot_start_gives_every_reservation_back(node):
+    pool = node.pool(4 * SLOT, idle_s=5)
+    node.store.makers_left = 1
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        pool.start_preparing(SLOT, 3, standing=True)
+    _prepared(pool)  # the one that started; none is left counted as on its way
+    assert pool.idle == 1 and pool.budget.in_use == SLOT
+    taken = [pool.take(SLOT), pool.take(SLOT)]  # neither waits for a segment never coming
+    assert None not in taken
+    for segment, reservation in taken:
+        pool.give(segment, reservation, keep=False, now=time.monotonic())

@@ -350,3 +350,35 @@ def test_store_accounting_pins_and_lru(tmp_path):
     assert not kept.path.exists() and resident.used == 0
     resident.unpin(again)
     assert store.leftovers() == []
+
+
+def test_a_claim_evicts_only_what_makes_room_and_extra_bytes_evict_nothing(tmp_path):
+    store = SegmentStore(tmp_path)
+    resident = ResidentStore(limit=4 * 4096)
+
+    def kept(uri: str, pages: int, *, pinned: bool = False):
+        copy = resident.pin(uri, "g")
+        assert resident.claim(copy, pages * 4096) == pages * 4096
+        resident.add(copy, store.create(pages * 4096), [("t", 0)])
+        resident.settle(0)
+        if not pinned:
+            resident.unpin(copy)
+        return copy
+
+    serving = kept("serving", 2, pinned=True)
+    kept("idle", 1)
+    new = resident.pin("new", "g")
+    assert resident.claim(new, 3 * 4096) == 0  # evicting the unpinned copy would not make room
+    assert resident.evictions == 0 and resident.used == 3 * 4096
+    assert resident.claim(new, 4096, extra=4096) == 4096  # the extra page would evict "idle": not taken
+    assert resident.evictions == 0 and resident.used == 4 * 4096
+    resident.settle(4096)
+    assert resident.claim(new, 2 * 4096, extra=4096) == 2 * 4096  # evicts "idle" for the 2 pages only
+    assert resident.evictions == 1 and resident.used == 4 * 4096
+    resident.settle(2 * 4096)
+    assert resident.claim(new, 4096, extra=4096) == 2 * 4096  # room for both, nothing to evict
+    resident.settle(2 * 4096)
+    resident.unpin(new)
+    resident.unpin(serving)
+    resident.close()
+    assert store.leftovers() == []

@@ -145,6 +145,8 @@ class Daemon:
                 return
             self.stopping = True
             sessions = list(self.sessions.values())
+        if self.pool is not None:  # a session that ends now leaves its segments for close to unlink
+            self.pool.stop_making()
         grace = self.settings.stop_grace_s
         log.info("stopping: telling the ranks of %d sessions (for up to %g s)", len(sessions), grace)
         for session in sessions:

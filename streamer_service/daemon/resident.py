@@ -105,21 +105,25 @@ class ResidentStore:
                 log.warning("dropping the resident copy of %s: %s", copy.uri, why)
                 self._drop_locked(copy)
 
-    def claim(self, copy: ResidentCopy, nbytes: int) -> bool:
-        """Reserve ``nbytes`` for segments ``copy`` will own, evicting unpinned copies as needed."""
+    def claim(self, copy: ResidentCopy, nbytes: int, *, extra: int = 0) -> int:
+        """Reserve ``nbytes`` for segments ``copy`` will own, evicting unpinned copies (least
+        recently used first) as needed, and none where that would not make room; and ``extra``
+        bytes more where they fit without evicting more. The bytes reserved, 0 when none."""
         with self._lock:
             if copy.dropped or nbytes > self.limit:
-                return False
-            for victim in [c for c in self._copies.values() if not c.pins]:
+                return 0
+            victims = [c for c in self._copies.values() if not c.pins]
+            if self.used - sum(v.nbytes for v in victims) + nbytes > self.limit:
+                return 0
+            for victim in victims:
                 if self.used + nbytes <= self.limit:
                     break
                 log.info("evicting the resident copy of %s (%d bytes) for %s", victim.uri, victim.nbytes, copy.uri)
                 self.evictions += 1
                 self._drop_locked(victim)
-            if self.used + nbytes > self.limit:
-                return False
-            self.used += nbytes
-            return True
+            claimed = nbytes + (extra if self.used + nbytes + extra <= self.limit else 0)
+            self.used += claimed
+            return claimed
 
     def add(self, copy: ResidentCopy, segment: Segment, tensors: Iterable[tuple[str, int]]) -> None:
         """``segment`` (claimed by ``copy``'s session) now holds loaded ``(name, offset)`` tensors."""

@@ -58,6 +58,7 @@ class SegmentPool:
         self._making = 0  # prepared segments on their way, of ``_making_size`` bytes
         self._making_size = 0
         self._closed = False
+        self._making_stopped = False  # the daemon stops: nothing more is made ahead of need
         self._first_taken = False
         self._standing: tuple[int, int] = (0, 0)  # (segment bytes, count) never trimmed
         self._lock = threading.Condition()
@@ -68,7 +69,7 @@ class SegmentPool:
         makes none). ``standing``: keep that many of them idle for good (see the class docstring)."""
         nbytes = self.store.pages.round(nbytes)
         with self._lock:
-            if self._closed or (self._making and self._making_size != nbytes):
+            if self._making_stopped or (self._making and self._making_size != nbytes):
                 return
             if standing:
                 self._standing = (nbytes, count)
@@ -80,11 +81,12 @@ class SegmentPool:
                 reservations.append(reservation)
             self._making += len(reservations)
             self._making_size = nbytes
-        for reservation in reservations:
+        for i, reservation in enumerate(reservations):
             try:
                 future = self.store.create_soon(nbytes)
             except BaseException:
-                self._made(None, reservation)
+                for unmade in reservations[i:]:
+                    self._made(None, unmade)
                 raise
             future.add_done_callback(functools.partial(self._made, reservation=reservation))
 
@@ -164,6 +166,17 @@ class SegmentPool:
         with self._lock:
             return sum(s.nbytes == nbytes for s, _, _ in self._idle) + (self._making if self._making_size == nbytes else 0)
 
+    def restore(self, segments: list[Segment]) -> None:
+        """Adopted segments that were never written come back idle, where the budget still has
+        room for them (else they are unlinked)."""
+        now = time.monotonic()
+        for segment in segments:
+            reservation = self.budget.try_take(segment.nbytes)
+            if reservation is None:
+                segment.close()
+            else:
+                self.give(segment, reservation, keep=True, now=now)
+
     def restand(self) -> None:
         """Make the standing ring whole again in the background, where segments of it were adopted."""
         size, count = self._standing
@@ -189,7 +202,7 @@ class SegmentPool:
     def give(self, segment: Segment, reservation: Reservation, *, keep: bool, now: float) -> None:
         """Return a segment no session uses; ``keep`` it idle for reuse, or unlink it now."""
         with self._lock:
-            if keep and self.idle_s > 0 and not reservation.beyond_budget:
+            if keep and self.idle_s > 0 and not reservation.beyond_budget and not self._closed:
                 self._idle.append((segment, reservation, now))
                 return
         segment.close()
@@ -209,9 +222,14 @@ class SegmentPool:
             self._idle = fresh + kept
         self._close(gone)
 
+    def stop_making(self) -> None:
+        """Make nothing more ahead of need (the daemon stops); what is on its way still comes."""
+        with self._lock:
+            self._making_stopped = True
+
     def close(self) -> None:
         with self._lock:
-            self._closed = True
+            self._closed = self._making_stopped = True
             while self._making:  # every segment on its way is closed as it comes
                 self._lock.wait()
             idle, self._idle = self._idle, []

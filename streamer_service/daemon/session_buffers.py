@@ -154,17 +154,17 @@ class SessionBuffers:
         exact = sum(pages.round(b.buffer_bytes) for b in batches)
         fits = [b for b in batches if b.kind is BatchKind.SLOT][: self._pool.available(slot)]
         larger = sum(slot - pages.round(b.buffer_bytes) for b in fits)  # what the slot-sized ones add
-        if fits and self._resident.claim(self._copy, exact + larger):
-            self._claimed = exact + larger
+        # The slot-sized segments only where they evict nothing the exact ones would not.
+        self._claimed = self._resident.claim(self._copy, exact, extra=larger if fits else 0)
+        if not self._claimed:
+            log.info("session %s: %d bytes to load do not fit the retention budget; streaming through the ring", session, exact)
+            return
+        if fits and self._claimed == exact + larger:
             idle = self._pool.adopt(slot, len(fits), wait=False)  # out of the pool now: no other session takes them
             self._adopted = bool(idle)
             self._adopting.extend(itertools.zip_longest(fits, idle))  # None: still on its way
-        elif self._resident.claim(self._copy, exact):
-            self._claimed = exact
-            fits = []
         else:
-            log.info("session %s: %d bytes to load do not fit the retention budget; streaming through the ring", session, exact)
-            return
+            fits = []
         adopting = {id(b) for b in fits}
         self._upcoming.extend(b for b in batches if id(b) not in adopting)
         self._make_ahead()
@@ -248,9 +248,8 @@ class SessionBuffers:
         for _, future in ahead:  # made for batches the load never reached
             with contextlib.suppress(Exception):
                 future.result().close()
-        for _, segment in adopting:  # adopted for batches the load never reached
-            if segment is not None:
-                segment.close()
+        # Adopted for batches the load never reached: back to the pool, which then makes the rest.
+        self._pool.restore([segment for _, segment in adopting if segment is not None])
         if self._adopted:
             self._pool.restand()
         for slot in slots:
