@@ -228,15 +228,20 @@ def test_without_a_standing_ring_every_idle_segment_goes(node):
     assert pool.idle == 0 and list(node.shm.iterdir()) == []
 
 
+def _standing_ring(node) -> tuple[SegmentPool, set[str]]:
+    """A pool of four slots whose standing ring of two is made, and the names of its segments."""
+    pool = node.pool(4 * SLOT, idle_s=5)
+    pool.start_preparing(SLOT, 2, standing=True)
+    _prepared(pool)
+    return pool, {p.name for p in node.shm.iterdir()}
+
+
 def _loaded_batches(node) -> list:
     return [b for b in build_plan(list(node.checkpoint.catalog.tensors), SLOT).batches if b.ranges]
 
 
 def test_a_retained_load_keeps_the_standing_ring_for_its_first_batches_and_the_pool_makes_it_again(node):
-    pool = node.pool(4 * SLOT, idle_s=5)
-    pool.start_preparing(SLOT, 2, standing=True)
-    _prepared(pool)
-    standing = {p.name for p in node.shm.iterdir()}
+    pool, standing = _standing_ring(node)
     made_before = len(node.store.made_by)
     resident = ResidentStore(64 * 2**20)
 
@@ -264,10 +269,7 @@ def test_a_retained_load_keeps_the_standing_ring_for_its_first_batches_and_the_p
 
 
 def test_a_retention_budget_with_room_only_for_exact_segments_leaves_the_standing_ring_alone(node):
-    pool = node.pool(4 * SLOT, idle_s=5)
-    pool.start_preparing(SLOT, 2, standing=True)
-    _prepared(pool)
-    standing = {p.name for p in node.shm.iterdir()}
+    pool, standing = _standing_ring(node)
     pages = node.store.pages
     exact = sum(pages.round(b.buffer_bytes) for b in _loaded_batches(node))
     slot_batches = [b for b in _loaded_batches(node) if b.kind is BatchKind.SLOT][:2]
@@ -332,10 +334,7 @@ def test_a_retained_batch_whose_segment_another_session_took_once_made_gets_one_
 
 
 def test_a_second_retained_load_planned_meanwhile_leaves_the_first_its_segments(node):
-    pool = node.pool(4 * SLOT, idle_s=5)
-    pool.start_preparing(SLOT, 2, standing=True)
-    _prepared(pool)
-    standing = {p.name for p in node.shm.iterdir()}
+    pool, standing = _standing_ring(node)
     resident = ResidentStore(64 * 2**20)
     one, first, exact = _retaining(node, pool, resident)  # takes both idle segments as it is planned
     assert pool.idle == pool.available(SLOT) == 0 and pool.budget.in_use == 0
@@ -368,10 +367,7 @@ def _other_copy(node, resident: ResidentStore, nbytes: int, *, pinned: bool = Fa
 
 @pytest.mark.parametrize("other_is_smaller", [True, False], ids=["smaller-than-the-slot-rounding", "larger"])
 def test_slot_sized_segments_evict_no_copy_the_exact_ones_fit_beside(node, other_is_smaller):
-    pool = node.pool(4 * SLOT, idle_s=5)
-    pool.start_preparing(SLOT, 2, standing=True)
-    _prepared(pool)
-    standing = {p.name for p in node.shm.iterdir()}
+    pool, standing = _standing_ring(node)
     pages = node.store.pages
     batches = _loaded_batches(node)
     exact = sum(pages.round(b.buffer_bytes) for b in batches)
@@ -393,10 +389,7 @@ def test_slot_sized_segments_evict_no_copy_the_exact_ones_fit_beside(node, other
 
 
 def test_a_retained_load_that_ends_before_its_adopted_segments_gives_them_back_to_the_pool(node):
-    pool = node.pool(4 * SLOT, idle_s=5)
-    pool.start_preparing(SLOT, 2, standing=True)
-    _prepared(pool)
-    standing = {p.name for p in node.shm.iterdir()}
+    pool, standing = _standing_ring(node)
     resident = ResidentStore(64 * 2**20)
     buffers, first, _ = _retaining(node, pool, resident)
     assert pool.idle == 0 and pool.budget.in_use == 0  # adopted
@@ -409,10 +402,7 @@ def test_a_retained_load_that_ends_before_its_adopted_segments_gives_them_back_t
 
 
 def test_a_session_that_ends_while_the_daemon_stops_makes_no_segment_for_the_pool_to_close(node):
-    pool = node.pool(4 * SLOT, idle_s=5)
-    pool.start_preparing(SLOT, 2, standing=True)
-    _prepared(pool)
-    standing = {p.name for p in node.shm.iterdir()}
+    pool, standing = _standing_ring(node)
     resident = ResidentStore(64 * 2**20)
     buffers, first, _ = _retaining(node, pool, resident)
     used = buffers.acquire(first).segment  # one adopted segment in use, never filled
