@@ -20,9 +20,11 @@ import torch
 from botocore.config import Config
 from checkpoints import ground_truth, make_sharded_checkpoint
 
+from streamer_client.errors import ObjectChangedError
 from streamer_service.bench.latency import LatencyProxy
 from streamer_service.checkpoint.catalog import build_catalog
 from streamer_service.checkpoint.plan import build_plan
+from streamer_service.checkpoint.versions import ObjectVersions
 from streamer_service.embedded.engine import EmbeddedEngine, EngineConfig
 from streamer_service.load.pipeline import LoadStats, Pipeline
 from streamer_service.readers import mapped
@@ -223,6 +225,57 @@ def test_the_request_a_landed_batch_made_room_for_goes_out_before_its_version_ch
     assert len(loads) == len(batches) == stats.submissions == 4
     # Checking batch k, batch k + 1 was already asked for (but after the last, there is none).
     assert submitted_at_check == [2, 3, 4, 4]
+
+
+def test_a_batch_whose_read_failed_ends_the_reads(tmp_path):
+    """Its first shard shrank after the plan was made: the head batch's read fails, and no request
+    goes out for the batches after it (their bytes would only be thrown away)."""
+    src = tmp_path / "ckpt"
+    make_sharded_checkpoint(src, {f"w{i}": torch.full((64, 64), float(i)) for i in range(4)}, n_shards=2)
+    uri = parse_uri(str(src))
+    plan = build_plan(list(build_catalog(open_storage(uri, Settings())).tensors), 16 * KIB)
+    first = plan.batches[0].files[0]
+    assert [b.files[0] for b in plan.batches].count(first) == 2  # a batch after it in the same file, two in the other
+    (src / first).write_bytes((src / first).read_bytes()[:100])
+    stats = LoadStats()
+    with pytest.raises(ObjectChangedError, match=r"model-00001-of-00002\.safetensors: bytes \[\d+, \d+\): End of file"):
+        with mapped.MappedReader() as reader:
+            list(Pipeline(uri, plan, reader, _new_memory, stats, in_flight=16 * KIB).loaded(lambda: None))
+    assert stats.submissions == 1
+
+
+def test_a_failed_check_sends_none_of_the_heads_still_queued(s3_service, monkeypatch):
+    """Eight objects' batches landed, their HEADs queued on the checking thread behind a 0.5 s
+    store; the first object changed: its check fails the load, and closing the checks sends no
+    HEAD that nothing would read (the one already out is waited for)."""
+    bucket = s3_service.new_backend()
+    names = [f"f{i}" for i in range(8)]
+    for name in names:
+        bucket.put(f"m/{name}", b"old")
+    uri = parse_uri(bucket.uri("m"))
+    for key, value in s3_service.env_for(s3_service.emulator.endpoint).items():
+        monkeypatch.setenv(key, value)
+    storage = open_storage(uri, Settings())
+    files = [storage.stat(name) for name in names]  # what the catalog recorded
+    storage.close()
+    bucket.put("m/f0", b"new bytes")
+    proxy = LatencyProxy.for_url(s3_service.emulator.endpoint, 0.5).start()
+    try:
+        for key, value in s3_service.env_for(proxy.endpoint).items():
+            monkeypatch.setenv(key, value)
+        versions = ObjectVersions(uri, files, Settings())
+        batches = [SimpleNamespace(files=(name,)) for name in names]
+        landed = time.monotonic()
+        before = proxy.counts.requests
+        for batch in batches:
+            versions.expect(batch, landed)
+        with pytest.raises(ObjectChangedError, match=r"/m/f0 changed while it was being loaded"):
+            versions.check(batches[0], landed)
+        versions.close()
+        assert 1 <= proxy.counts.requests - before < len(names)
+    finally:
+        proxy.close()
+        bucket.close()
 
 
 def test_the_nic_rate_bounds_a_loads_bytes_in_flight():

@@ -11,15 +11,18 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from streamer_client.errors import SessionError
+from streamer_client.errors import SessionError, StreamerError
+from streamer_service.checkpoint import versions as versions_module
 from streamer_service.checkpoint.open import open_checkpoint
 from streamer_service.checkpoint.plan import select
+from streamer_service.checkpoint.versions import ObjectVersions
 from streamer_service.daemon.segment_pool import SegmentPool
 from streamer_service.daemon.session import Session, SessionState
 from streamer_service.daemon.shm import SegmentStore, ShmBudget
@@ -229,6 +232,23 @@ def test_a_rank_that_failed_fails_the_session_naming_it(node):
     assert summary.ranks[0].status == "failed" and "segment not found" in summary.ranks[0].error
     assert summary.ranks[1].status == "done"
     assert "rank 0 failed: DaemonError" in summary.error
+    assert list(node.shm.iterdir()) == []
+
+
+def test_a_checking_thread_that_cannot_start_fails_the_session(node, monkeypatch):
+    """No thread for the version checks (a pids limit, memory): the ranks get the error and the
+    session ends, its segments given back; it does not stream for ever with nobody told."""
+
+    class NoThreads(ThreadPoolExecutor):
+        def submit(self, fn, /, *args, **kwargs):
+            raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(versions_module, "ThreadPoolExecutor", NoThreads)
+    session = node.session(1, versions=ObjectVersions.of(node.checkpoint, Settings()))
+    _join_all(session, [None])
+    assert session.wait_ended(60) and session.state is SessionState.FAILED and node.ended == [session]
+    with pytest.raises(StreamerError, match=r"daemon error while streaming .*can't start new thread"):
+        session.next(0, [], 5.0)
     assert list(node.shm.iterdir()) == []
 
 

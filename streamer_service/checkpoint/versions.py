@@ -155,9 +155,10 @@ class ObjectVersions:
                 )
 
     def close(self) -> None:
-        """Wait for the HEADs still out, then close the storage client."""
+        """Drop the HEADs not sent yet (nothing will read them), wait for the one out, then close
+        the storage client."""
         if self._thread is not None:
-            self._thread.shutdown(wait=True)
+            self._thread.shutdown(wait=True, cancel_futures=True)
             self._thread = None
         self._heads.clear()
         if self._storage is not None:

@@ -222,9 +222,9 @@ class Session:
 
     def _run(self, wanted: list[TensorInfo]) -> None:
         started, began = self._clock(), time.monotonic()
-        if self._versions is not None:
-            self._versions.open_soon()  # the first batch's check then finds the client made
         try:
+            if self._versions is not None:
+                self._versions.open_soon()  # the first batch's check then finds the client made
             missing = self._serve_resident(wanted)
             plan = build_plan(missing, self._slot_size)
             self._buffers.prepare(plan, self.key)

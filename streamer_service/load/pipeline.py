@@ -137,6 +137,7 @@ class Pipeline:
         # Bytes of one read request (a request holds whole batches, at least one).
         self._submission_bytes = submission_size(in_flight, local=uri.is_local)
         self._in_flight = 0  # bytes submitted and not yet landed
+        self._failed = False  # a range failed: the load ends at its batch
         self._versions = versions
         self._reader = reader
         self._acquire = acquire
@@ -176,6 +177,8 @@ class Pipeline:
         when nothing is in flight, or when its bytes fit under ``in_flight`` with what is), and
         submit them to the reader in requests of up to ``sizing.submission_size`` bytes: a few large
         requests keep Run:ai's workers as busy as many small ones with less ramp-up and tail per request."""
+        if self._failed:
+            return  # the load ends at the failed batch: nothing more is worth reading
         room = None if self._limit is None else self._limit - self._in_flight
         if self._in_flight and room is not None and room < min(self._submission_bytes, self._pending_bytes):
             return  # a request goes once a whole one fits: not one batch each time a range lands
@@ -266,6 +269,7 @@ class Pipeline:
                 self._stats.first_landed = self._stats.last_landed
         elif load.failed is None:
             load.failed = result
+            self._failed = True
         if load.done:
             load.landed = time.monotonic()
             if self._versions is not None and load.failed is None:
