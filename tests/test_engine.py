@@ -92,6 +92,9 @@ def test_safe_mode_delivers_every_tensor_byte_exact_in_plan_order(full_checkpoin
     assert stats.buffer_bytes == 0
     assert stats.peak_buffer_bytes <= BUDGET + plan.oversized_bytes
     assert stats.peak_in_flight > 1, "batches should be read in parallel while the budget allows"
+    # The engine's repr carries its counters: those of every load (LoadStats), then its own.
+    assert repr(stats) in repr(engine) and repr(stats).startswith(f"EngineStats(bytes_read={plan.data_bytes}, ")
+    assert repr(stats).endswith(f", tensors={len(truth)})")
 
 
 def test_safe_cpu_tensors_are_read_in_place_into_memory_the_caller_keeps(full_checkpoint):

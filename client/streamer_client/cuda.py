@@ -53,11 +53,11 @@ import logging
 import math
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
+from .counters import Counters
 from .devices import resolve_device
 from .errors import ConfigError
 from .pinning import Cudart, HostPinner, registered_ranges
@@ -159,8 +159,7 @@ class _Releases:
 # --------------------------------------------------------------------------- copies
 
 
-@dataclass
-class CopyStats:
+class CopyStats(Counters):
     copies: int = 0
     bytes: int = 0
     pinned_bytes: int = 0  # copied out of page-locked memory

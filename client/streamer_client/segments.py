@@ -37,6 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .counters import Counters
 from .errors import DaemonError
 
 __all__ = ["Load", "MappedSegment", "SegmentMaps", "map_segment", "segment_maps"]
@@ -95,8 +96,7 @@ class MappedSegment:
         return self.array.ctypes.data
 
 
-@dataclass
-class MapStats:
+class MapStats(Counters):
     mapped: int = 0  # segments mapped
     reused: int = 0  # times a load found a segment already mapped
     pinned: int = 0  # registrations made

@@ -30,10 +30,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
+from streamer_client.counters import Counters
 from streamer_client.devices import device_context
 from streamer_client.host_memory import anonymous
 from streamer_client.per_process import PerProcess
@@ -65,8 +65,7 @@ class HostBuffer:
         return self.array[offset : offset + nbytes]
 
 
-@dataclass
-class PoolStats:
+class PoolStats(Counters):
     pinned: int = 0  # slots page-locked (registrations asked of CUDA)
     pinned_bytes: int = 0  # page-locked through the pool right now, idle or in use
     reused: int = 0  # slots a load took from the pool, already page-locked

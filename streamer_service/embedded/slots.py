@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import weakref
-from dataclasses import dataclass
 
 from streamer_client.leases import Leases
 
@@ -22,7 +21,6 @@ from .buffers import HostBuffer, PinnedPool
 __all__ = ["EngineStats", "Slot", "Slots"]
 
 
-@dataclass
 class EngineStats(LoadStats):
     """Counters of one engine, over all its streams (reads and submissions: :class:`LoadStats`)."""
 

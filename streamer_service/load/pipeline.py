@@ -30,9 +30,9 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any, Protocol
 
+from streamer_client.counters import Counters
 from streamer_client.errors import StorageError
 
 from ..checkpoint.plan import Batch, Plan
@@ -60,8 +60,7 @@ class Buffer(Protocol):
     nbytes: int
 
 
-@dataclass
-class LoadStats:
+class LoadStats(Counters):
     bytes_read: int = 0  # written into our buffers by the reader
     submissions: int = 0
     peak_in_flight: int = 0  # submissions not yet landed in full, at most at once
