@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -57,14 +58,89 @@ def test_a_copy_past_the_end_of_the_address_space_is_refused_not_a_crash():
     ]
 
 
-def test_a_negative_wait_timeout_is_refused():
+def test_a_negative_wait_timeout_waits_until_the_batch_is_done():
     buf = np.zeros(4096, dtype=np.uint8)
+    buf[2048:3072] = 7
     ticket = copier.submit([buf.ctypes.data], [buf.ctypes.data + 2048], [1024])
-    with pytest.raises(ValueError, match="a wait's timeout is at least 0 ms, got -1"):
-        copier._copier.wait(copier.pool(), ticket, -1)
-    assert copier.wait(ticket) == -1
+    assert copier._copier.wait(copier.pool(), ticket, -1) == -1 and (buf[:1024] == 7).all()
     with pytest.raises(ValueError, match=f"no batch {ticket} is queued"):  # answered once, then gone
         copier._copier.wait(copier.pool(), ticket, 0)
+
+
+def test_a_batch_nobody_waited_for_holds_its_slot_not_the_pool():
+    buf = np.zeros(8192, dtype=np.uint8)
+    copier.submit([buf.ctypes.data], [buf.ctypes.data + 4096], [16])  # never waited for
+    for _ in range(4100):  # more batches than there are slots, one at a time
+        assert copier.copy([buf.ctypes.data + 1024], [buf.ctypes.data + 4096], [16]) == -1
+
+
+# A batch of 256 MiB and a Ctrl-C (SIGALRM's handler raises KeyboardInterrupt) 5 ms into it.
+_INTERRUPTED = """
+    import signal, numpy as np
+    from streamer_client import copier
+
+    src = np.arange(256 << 20, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    copier.POLL_MS = 1  # back in the interpreter often: the interrupt comes while the batch runs
+    def interrupt(*_):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.005)
+    try:
+        {call}
+        print("not interrupted")
+    except KeyboardInterrupt:
+        # Raised only once every byte is copied: the last chunk (the threads take them in order)
+        # is there the moment it is caught, and so is everything before it.
+        print("interrupted", np.array_equal(dst[-4096:], src[-4096:]) and np.array_equal(dst, src))
+"""
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        "copier.wait(copier.submit([dst.ctypes.data], [src.ctypes.data], [src.nbytes]))",
+        "copier.copy([dst.ctypes.data], [src.ctypes.data], [src.nbytes])",
+    ],
+    ids=["wait", "copy"],
+)
+def test_a_ctrl_c_during_a_batch_is_raised_once_the_copying_threads_are_done(call):
+    result = _child(_INTERRUPTED.format(call=call))
+    assert (result.returncode, result.stdout.split()) == (0, ["interrupted", "True"]), result.stderr
+
+
+def test_a_sigbus_sent_to_the_process_still_ends_it():
+    # Not a copy's fault: what it would do without the copier's guard, which stays in place.
+    result = _child("""
+        import os, signal
+        from streamer_client import copier
+        copier.pool()
+        os.kill(os.getpid(), signal.SIGBUS)
+        print("survived")
+    """)
+    assert result.returncode == -signal.SIGBUS and "survived" not in result.stdout
+
+
+def test_a_pool_made_by_a_thread_that_blocks_every_signal_still_catches_a_file_cut_short(tmp_path):
+    path = tmp_path / "shard"
+    path.write_bytes(b"x" * 3 * 65536)
+    result = _child(f"""
+        import os, signal, threading, numpy as np
+        from streamer_client import copier
+
+        def make():  # helper threads often block every signal
+            signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+            copier.pool()
+        thread = threading.Thread(target=make)
+        thread.start()
+        thread.join()
+        fd = os.open({str(path)!r}, os.O_RDONLY)
+        address = copier.map_file(fd, 3 * 65536)
+        os.truncate({str(path)!r}, 65536)
+        dst = np.zeros(3 * 65536, dtype=np.uint8)
+        print(copier.copy([dst.ctypes.data], [address], [3 * 65536]))
+    """)
+    assert (result.returncode, result.stdout.strip()) == (0, "0"), result.stderr
 
 
 def test_a_file_cut_short_under_its_mapping_is_the_failed_copy_s_index(tmp_path):

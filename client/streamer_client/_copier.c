@@ -90,18 +90,29 @@ static pthread_once_t guard_once = PTHREAD_ONCE_INIT;
 static int guard_installed;
 
 static void on_bus(int sig, siginfo_t *info, void *context) {
-    if (guard != NULL) {
+    /* Raised by an access (a mapped file cut short), not sent by kill() or raise(): only that one
+     * ends a copy, wherever the copying thread was. */
+    int fault = info != NULL && info->si_code > 0;
+    if (fault && guard != NULL) {
         siglongjmp(*guard, 1);
     }
     /* Not one of our copies: what would have happened without us. */
-    if (previous_bus.sa_flags & SA_SIGINFO) {
-        previous_bus.sa_sigaction(sig, info, context);
-    } else if (previous_bus.sa_handler != SIG_IGN && previous_bus.sa_handler != SIG_DFL) {
-        previous_bus.sa_handler(sig);
-    } else {
-        /* Default action: put it back; the faulting access runs again and the process dies as it
-         * would have. (SIGBUS from a fault cannot be ignored either: same.) */
-        signal(SIGBUS, SIG_DFL);
+    if (previous_bus.sa_handler == SIG_IGN && !fault) {
+        return;
+    }
+    if (previous_bus.sa_handler != SIG_IGN && previous_bus.sa_handler != SIG_DFL) {
+        if (previous_bus.sa_flags & SA_SIGINFO) {
+            previous_bus.sa_sigaction(sig, info, context);
+        } else {
+            previous_bus.sa_handler(sig);
+        }
+        return;
+    }
+    /* The default action: a faulting access runs again and the process dies of it as it would have
+     * (SIGBUS from a fault cannot be ignored either); a sent signal is raised again. */
+    signal(SIGBUS, SIG_DFL);
+    if (!fault) {
+        raise(SIGBUS);
     }
 }
 
@@ -139,6 +150,11 @@ static void *worker(void *arg) {
     sigaddset(&mask, SIGTERM);
     sigaddset(&mask, SIGCHLD);
     pthread_sigmask(SIG_BLOCK, &mask, NULL);
+    /* Whatever the thread that made the pool blocked: a copy's fault must reach the guard (a
+     * blocked SIGBUS from a fault kills the process). */
+    sigemptyset(&mask);
+    sigaddset(&mask, SIGBUS);
+    pthread_sigmask(SIG_UNBLOCK, &mask, NULL);
     guard = NULL; /* this thread's slot exists before any fault can need it */
     pthread_mutex_lock(&pool->lock);
     for (;;) {
@@ -365,52 +381,50 @@ static int as_words(PyObject *object, const uint64_t **words, Py_ssize_t *count,
 
 static uint64_t left_of(uint64_t left, size_t chunk_bytes) { return left < chunk_bytes ? left : chunk_bytes; }
 
-static PyObject *py_submit(PyObject *self, PyObject *args) {
-    PyObject *capsule, *dsts_obj, *srcs_obj, *sizes_obj;
-    if (!PyArg_ParseTuple(args, "OSSS", &capsule, &dsts_obj, &srcs_obj, &sizes_obj)) {
-        return NULL;
-    }
-    pool_t *pool = get_pool(capsule);
-    if (pool == NULL) {
-        return NULL;
-    }
+/* Queue one batch; its ticket, or -1 with a Python error set. */
+static int64_t submit_batch(pool_t *pool, PyObject *dsts_obj, PyObject *srcs_obj, PyObject *sizes_obj) {
     const uint64_t *dsts, *srcs, *sizes;
     Py_ssize_t n, n_srcs, n_sizes;
     if (as_words(dsts_obj, &dsts, &n, "destinations") < 0 || as_words(srcs_obj, &srcs, &n_srcs, "sources") < 0 ||
         as_words(sizes_obj, &sizes, &n_sizes, "sizes") < 0) {
-        return NULL;
+        return -1;
     }
     if (n != n_srcs || n != n_sizes || n == 0 || n > UINT32_MAX) {
         PyErr_SetString(PyExc_ValueError, "copier: a batch needs one destination, source and size per copy");
-        return NULL;
+        return -1;
     }
     size_t chunks = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         if (sizes[i] > SIZE_MAX || dsts[i] > UINTPTR_MAX - sizes[i] || srcs[i] > UINTPTR_MAX - sizes[i]) {
             PyErr_Format(PyExc_ValueError, "copier: copy %zd (%llu bytes) runs past the end of the address space", i,
                          (unsigned long long)sizes[i]);
-            return NULL;
+            return -1;
         }
         size_t more = (size_t)(sizes[i] / pool->chunk_bytes + (sizes[i] % pool->chunk_bytes != 0));
         if (more > MAX_QUEUED - chunks) {
             PyErr_Format(PyExc_ValueError, "copier: a batch of more than %zu chunks", (size_t)MAX_QUEUED);
-            return NULL;
+            return -1;
         }
         chunks += more;
     }
     pthread_mutex_lock(&pool->lock);
+    /* The next ticket whose slot is free: a batch nobody waited for holds its slot, not the pool. */
     int64_t ticket = pool->next_ticket;
+    for (int tried = 1; pool->batches[ticket % MAX_TICKETS].ticket != -1 && tried < MAX_TICKETS; tried++) {
+        ticket++;
+    }
     uint32_t slot = (uint32_t)(ticket % MAX_TICKETS);
     if (pool->batches[slot].ticket != -1) {
         pthread_mutex_unlock(&pool->lock);
         PyErr_Format(PyExc_RuntimeError, "copier: more than %d batches queued and not waited for", MAX_TICKETS);
-        return NULL;
+        return -1;
     }
     if (grow_queue(pool, chunks) < 0) {
         pthread_mutex_unlock(&pool->lock);
-        return PyErr_NoMemory();
+        PyErr_NoMemory();
+        return -1;
     }
-    pool->next_ticket++;
+    pool->next_ticket = ticket + 1;
     batch_t *batch = &pool->batches[slot];
     batch->ticket = ticket;
     batch->remaining = chunks;
@@ -431,7 +445,52 @@ static PyObject *py_submit(PyObject *self, PyObject *args) {
         pthread_cond_broadcast(&pool->work);
     }
     pthread_mutex_unlock(&pool->lock);
-    return PyLong_FromLongLong(ticket);
+    return ticket;
+}
+
+static PyObject *py_submit(PyObject *self, PyObject *args) {
+    PyObject *capsule, *dsts_obj, *srcs_obj, *sizes_obj;
+    if (!PyArg_ParseTuple(args, "OSSS", &capsule, &dsts_obj, &srcs_obj, &sizes_obj)) {
+        return NULL;
+    }
+    pool_t *pool = get_pool(capsule);
+    if (pool == NULL) {
+        return NULL;
+    }
+    int64_t ticket = submit_batch(pool, dsts_obj, srcs_obj, sizes_obj);
+    return ticket < 0 ? NULL : PyLong_FromLongLong(ticket);
+}
+
+/* Wait for batch ``ticket`` until it is done, or until ``timeout_ms`` passed (< 0: no limit).
+ * 1 and its result in ``failed`` once done (its slot is free again), else 0. The GIL must not
+ * be held. */
+static int wait_batch(pool_t *pool, int64_t ticket, int timeout_ms, int64_t *failed) {
+    struct timespec deadline;
+    clock_gettime(CLOCK_MONOTONIC, &deadline);
+    if (timeout_ms >= 0) {
+        deadline.tv_sec += timeout_ms / 1000;
+        deadline.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
+        if (deadline.tv_nsec >= 1000000000L) {
+            deadline.tv_sec++;
+            deadline.tv_nsec -= 1000000000L;
+        }
+    }
+    pthread_mutex_lock(&pool->lock);
+    batch_t *batch = &pool->batches[ticket % MAX_TICKETS];
+    while (batch->remaining > 0) {
+        if (timeout_ms < 0) {
+            pthread_cond_wait(&pool->done, &pool->lock);
+        } else if (pthread_cond_timedwait(&pool->done, &pool->lock, &deadline) == ETIMEDOUT) {
+            break;
+        }
+    }
+    int finished = batch->remaining == 0;
+    *failed = batch->failed;
+    if (finished) {
+        batch->ticket = -1;
+    }
+    pthread_mutex_unlock(&pool->lock);
+    return finished;
 }
 
 static PyObject *py_wait(PyObject *self, PyObject *args) {
@@ -439,10 +498,6 @@ static PyObject *py_wait(PyObject *self, PyObject *args) {
     long long ticket;
     int timeout_ms;
     if (!PyArg_ParseTuple(args, "OLi", &capsule, &ticket, &timeout_ms)) {
-        return NULL;
-    }
-    if (timeout_ms < 0) {
-        PyErr_Format(PyExc_ValueError, "copier: a wait's timeout is at least 0 ms, got %d", timeout_ms);
         return NULL;
     }
     pool_t *pool = get_pool(capsule);
@@ -457,34 +512,36 @@ static PyObject *py_wait(PyObject *self, PyObject *args) {
         PyErr_Format(PyExc_ValueError, "copier: no batch %lld is queued", ticket);
         return NULL;
     }
-    struct timespec deadline;
-    clock_gettime(CLOCK_MONOTONIC, &deadline);
-    deadline.tv_sec += timeout_ms / 1000;
-    deadline.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;
-    if (deadline.tv_nsec >= 1000000000L) {
-        deadline.tv_sec++;
-        deadline.tv_nsec -= 1000000000L;
-    }
     int finished;
     int64_t failed;
     Py_BEGIN_ALLOW_THREADS
-    pthread_mutex_lock(&pool->lock);
-    batch_t *batch = &pool->batches[slot];
-    while (batch->remaining > 0) {
-        if (pthread_cond_timedwait(&pool->done, &pool->lock, &deadline) == ETIMEDOUT) {
-            break;
-        }
-    }
-    finished = batch->remaining == 0;
-    failed = batch->failed;
-    if (finished) {
-        batch->ticket = -1;
-    }
-    pthread_mutex_unlock(&pool->lock);
+    finished = wait_batch(pool, ticket, timeout_ms, &failed);
     Py_END_ALLOW_THREADS
     if (!finished) {
         Py_RETURN_NONE;
     }
+    return PyLong_FromLongLong(failed);
+}
+
+static PyObject *py_copy(PyObject *self, PyObject *args) {
+    PyObject *capsule, *dsts_obj, *srcs_obj, *sizes_obj;
+    if (!PyArg_ParseTuple(args, "OSSS", &capsule, &dsts_obj, &srcs_obj, &sizes_obj)) {
+        return NULL;
+    }
+    pool_t *pool = get_pool(capsule);
+    if (pool == NULL) {
+        return NULL;
+    }
+    int64_t ticket = submit_batch(pool, dsts_obj, srcs_obj, sizes_obj);
+    if (ticket < 0) {
+        return NULL;
+    }
+    /* Done before the interpreter runs again: nothing (a signal's exception) can leave the copying
+     * threads writing into buffers their owner frees. */
+    int64_t failed;
+    Py_BEGIN_ALLOW_THREADS
+    wait_batch(pool, ticket, -1, &failed);
+    Py_END_ALLOW_THREADS
     return PyLong_FromLongLong(failed);
 }
 
@@ -558,7 +615,8 @@ static PyObject *py_advise_huge(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"pool", py_pool, METH_VARARGS, "pool(threads, chunk_bytes): a new pool of copying threads"},
     {"submit", py_submit, METH_VARARGS, "submit(pool, dsts, srcs, sizes): queue one batch; its ticket"},
-    {"wait", py_wait, METH_VARARGS, "wait(pool, ticket, timeout_ms): None, -1 (done) or a failed copy's index"},
+    {"copy", py_copy, METH_VARARGS, "copy(pool, dsts, srcs, sizes): one batch, waited for: -1 or the index that hit SIGBUS"},
+    {"wait", py_wait, METH_VARARGS, "wait(pool, ticket, timeout_ms): None, -1 (done) or a failed copy's index; timeout_ms < 0: until done"},
     {"close", py_close, METH_VARARGS, "close(pool): finish every queued copy and stop the threads"},
     {"map", py_map, METH_VARARGS, "map(fd, nbytes): the address of a read-only shared mapping of the file"},
     {"unmap", py_unmap, METH_VARARGS, "unmap(address, nbytes)"},

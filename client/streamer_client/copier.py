@@ -17,6 +17,7 @@ Optional: the extension is built by ``pip install`` where a C compiler is presen
 
 from __future__ import annotations
 
+import contextlib
 import os
 from array import array
 from collections.abc import Sequence
@@ -93,15 +94,24 @@ def submit(dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int]) -> in
 
 
 def wait(ticket: int) -> int:
-    """Wait for a batch: -1, or the index of its first copy that hit SIGBUS (a file cut short)."""
-    while (failed := _copier.wait(pool(), ticket, POLL_MS)) is None:
-        pass  # back in the interpreter between waits, so that Ctrl-C is handled
+    """Wait for a batch: -1, or the index of its first copy that hit SIGBUS (a file cut short).
+
+    An exception while waiting (Ctrl-C) is raised once the batch is done: until then the copying
+    threads write into buffers that the caller may free as the exception goes up."""
+    try:
+        while (failed := _copier.wait(pool(), ticket, POLL_MS)) is None:
+            pass  # back in the interpreter between waits, so that Ctrl-C is handled
+    except BaseException:
+        with contextlib.suppress(ValueError):  # the batch is not queued (the error itself): nothing runs
+            _copier.wait(pool(), ticket, -1)
+        raise
     return failed
 
 
 def copy(dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int]) -> int:
-    """:func:`submit` and :func:`wait`: -1, or the index of the first copy that hit SIGBUS."""
-    return wait(submit(dsts, srcs, sizes))
+    """One batch of copies, done when this returns (a Ctrl-C meanwhile is raised after it): -1,
+    or the index of the first copy that hit SIGBUS."""
+    return _copier.copy(pool(), _words(dsts), _words(srcs), _words(sizes))
 
 
 def map_file(fd: int, nbytes: int) -> int:
