@@ -213,6 +213,67 @@ def test_readiness_says_whether_the_shm_filesystem_holds_a_loads_ring(tmp_path, 
         d.stop()
 
 
+def test_requests_for_handles_whose_client_gave_up_lose_nothing(sample, tmp_path):
+    """A rank holds the whole ring, sends four long requests for more and closes their connections
+    (its client timed out), then goes on on a new connection: the requests it gave up take nothing
+    (the newer one answers in their place, and they see their connection closed), so the rank
+    gets every tensor byte-exact, the session ends done and its segments go."""
+    import torch
+    from safetensors import safe_open
+
+    d = DaemonProcess(tmp_path, {"STREAMER_SLOT_SIZE": "1MiB", "STREAMER_RANK_TIMEOUT_S": "600"}, "--shm-budget", "4MiB")
+    d.start()
+    try:
+        with d.client() as c:
+            joined = c.post(
+                "/v1/sessions/join", json={"uri": str(sample), "session": "gave-up", "rank": 0, "world_size": 1}, timeout=120
+            ).json()
+            base = f"/v1/sessions/{joined['session_id']}/ranks/0"
+            got, held = {}, set()
+
+            def read(reply: list) -> None:  # each batch's bytes, out of its segment before it is released
+                for batch, segment, offset, nbytes, name, *_ in reply:
+                    with open(d.shm_dir / segment, "rb") as f:
+                        f.seek(offset)
+                        got[name] = f.read(nbytes)
+
+            while reply := c.post(f"{base}/next", json={"release": [], "wait_s": 1.0}).json()["handles"]:
+                read(reply)  # nothing released: the ring fills and the load waits for this rank
+                held |= {h[0] for h in reply}
+            body = json.dumps({"release": [], "wait_s": 10}).encode()
+            given_up = []
+            for _ in range(4):
+                conn = socket.socket(socket.AF_UNIX)
+                conn.connect(str(d.socket))
+                conn.sendall(
+                    f"POST {base}/next HTTP/1.1\r\nHost: d\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {len(body)}\r\n\r\n".encode()
+                    + body
+                )
+                given_up.append(conn)
+            wait_until(lambda: d.stats()["sessions"][0]["ranks"]["0"]["waiting"] >= 1, 60, "the requests to wait")
+            for conn in given_up:
+                conn.close()
+            release, done = sorted(held), False
+            deadline = time.monotonic() + 120
+            while not done:
+                assert time.monotonic() < deadline, f"{len(got)} of the tensors came; the rest never will"
+                reply = c.post(f"{base}/next", json={"release": release, "wait_s": 5.0}, timeout=60).json()
+                read(reply["handles"])
+                release, done = sorted({h[0] for h in reply["handles"]}), reply["done"]
+            c.post(f"{base}/next", json={"release": release, "wait_s": 0})
+            c.post(f"{base}/leave")
+        index = json.loads((sample / "model.safetensors.index.json").read_text())["weight_map"]
+        assert sorted(got) == sorted(index)
+        for name, shard in index.items():
+            with safe_open(sample / shard, "pt") as f:
+                assert got[name] == f.get_tensor(name).contiguous().view(-1).view(torch.uint8).numpy().tobytes(), name
+        assert d.finished()[-1]["state"] == "done"
+        assert leftovers(d, tmp_path / "cache") == ([], [])
+    finally:
+        d.stop()
+
+
 # --------------------------------------------------------------------------- SIGTERM
 
 

@@ -53,3 +53,15 @@ def test_batches_no_ring_waits_for_go_many_to_a_reply():
     ledger, state = _published(2, count, ring=False)
     assert _replies(ledger, state, 2, SLOT) == [list(range(UNLEASED_SHARE)), list(range(UNLEASED_SHARE, count))]
     assert ledger.release(state, range(count)) == []  # no slot to give back to a ring
+
+
+def test_a_rank_releases_only_batches_it_was_handed():
+    """A release of a batch still queued for the rank (its bytes maybe unread) frees nothing: the
+    slot would go back to the ring and be overwritten under a rank yet to read it."""
+    ledger, state = _published(2, 2, ring=True)
+    assert ledger.release(state, [0, 1]) == [] and state.outstanding == {0, 1}
+    handed = ledger.take(state, 8192, SLOT)
+    assert {h.batch for h in handed} == {0}
+    assert len(ledger.release(state, [0, 1])) == 1 and state.outstanding == {1}  # batch 0's slot only
+    ledger.take(state, 8192, SLOT)
+    assert len(ledger.release(state, [1])) == 1 and state.outstanding == set()

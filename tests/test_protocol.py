@@ -51,7 +51,7 @@ def test_daemon_stats_parse_back_from_their_json():
     (the public contract) and the dataclasses must say the same, ranks and resident copies too."""
     from streamer_service.daemon.stats import DaemonStats, RankSummary, ResidentStats, SessionSummary
 
-    ranks = {0: RankSummary("done", 10, 10), 1: RankSummary("failed", 5, 0, error="could not map")}
+    ranks = {0: RankSummary("active", 10, 4, waiting=1), 1: RankSummary("failed", 5, 0, error="could not map")}
     ended = SessionSummary("id1", "launch:uri", "s3://b/m", "failed", 2, 15, 0, None, ranks, "rank 1 failed: could not map")
     stats = DaemonStats(
         shm_budget=1 << 30, shm_in_use=0, shm_peak=1 << 20, shm_page_size=2 << 20, segments_idle=2, segments_reused=3,

@@ -252,6 +252,31 @@ def test_a_checking_thread_that_cannot_start_fails_the_session(node, monkeypatch
     assert list(node.shm.iterdir()) == []
 
 
+def test_a_newer_request_of_a_rank_answers_in_place_of_one_still_waiting(node):
+    """A rank asks one request at a time: one still waiting when the next comes was given up by its
+    client, and hands out nothing; nor does one whose connection closed (``gone``): what becomes
+    ready stays for the request that will read it."""
+    session = node.session(1)
+    _join_all(session, [None])
+    got, held = [], set()
+    while handles := session.next(0, [], 1.0)[0]:  # take, release nothing: the ring fills, the load waits
+        got += [h.name for h in handles]
+        held |= {h.batch for h in handles if h.segment is not None}
+    answers: list = []
+    old = threading.Thread(target=lambda: answers.append(session.next(0, [], 60.0)))
+    old.start()
+    while not session.ranks[0].asking:  # the old request waits
+        threading.Event().wait(0.01)
+    gone = threading.Event()
+    gone.set()
+    assert session.next(0, sorted(held), 0.0, gone) == ([], False)  # released; its connection closed: nothing taken
+    old.join(30)
+    assert not old.is_alive() and answers == [([], False)]  # it gave way at once, nothing taken
+    got += [name for name, _ in _consume(session, 0, node.shm)]  # what became ready meanwhile comes now
+    assert got == [t.name for t in select(node.checkpoint.catalog.tensors, None)]
+    assert session.wait_ended(60) and session.state is SessionState.DONE
+
+
 def test_a_refused_rank_fails_the_joining_ranks_at_once(node):
     """Issue 14.7 in-process: the ranks already waiting get the refusal, not the join timeout."""
     session = node.session(2)

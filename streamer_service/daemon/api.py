@@ -21,7 +21,8 @@ import contextlib
 import functools
 import hmac
 import logging
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Callable
 
 import anyio.to_thread
 from fastapi import FastAPI, Request
@@ -292,9 +293,17 @@ def create_app(settings: Settings) -> FastAPI:
         return JoinReply(session.id, rank.to_hand_out, rank.nbytes, str(session.checkpoint.metadata_dir), shm_dir).to_wire()
 
     @app.post("/v1/sessions/{session_id}/ranks/{rank}/next")
-    def next_handles(session_id: str, rank: int, body: NextRequest, request: Request) -> dict:
-        session = daemon(request).session(session_id)
-        handles, done = session.next(rank, body.release, body.wait_s)
+    async def next_handles(session_id: str, rank: int, body: NextRequest, request: Request) -> dict:
+        gone = threading.Event()  # the connection closed: the handles stay for the rank's next request
+        watch = asyncio.ensure_future(_on_disconnect(request, gone.set))
+
+        def next_in_thread() -> tuple[list, bool]:
+            return daemon(request).session(session_id).next(rank, body.release, body.wait_s, gone)
+
+        try:
+            handles, done = await anyio.to_thread.run_sync(next_in_thread)
+        finally:
+            watch.cancel()
         return NextReply(tuple(handles), done).to_wire()
 
     @app.post("/v1/sessions/{session_id}/ranks/{rank}/leave")
@@ -314,14 +323,16 @@ def _wake(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
         loop.call_soon_threadsafe(event.set)
 
 
+async def _on_disconnect(request: Request, then: Callable[[], None]) -> None:
+    """Call ``then`` when the client's connection closes (its body was read)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    then()
+
+
 async def _wait_unless_disconnected(event: asyncio.Event, request: Request) -> bool:
     """Wait for ``event``; False if the client's connection closed first (its body was read)."""
-
-    async def disconnected() -> None:
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    waits = [asyncio.ensure_future(event.wait()), asyncio.ensure_future(disconnected())]
+    waits = [asyncio.ensure_future(event.wait()), asyncio.ensure_future(_on_disconnect(request, lambda: None))]
     try:
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     finally:

@@ -47,12 +47,14 @@ class RankState:
     nbytes: int
     queue: deque[Handle] = field(default_factory=deque)
     outstanding: set[int] = field(default_factory=set)  # batches leased to this rank
+    held: set[int] = field(default_factory=set)  # of those, the ones handed to it: what it may release
     to_hand_out: int = 0
     delivered_bytes: int = 0
     last_seen: float = 0.0
     status: RankStatus = RankStatus.ACTIVE
     error: str | None = None  # why the rank failed (RankStatus.FAILED)
     asking: int = 0  # requests of this rank waiting for handles: it is not silent while it waits for us
+    polls: int = 0  # requests for handles so far: a newer one answers in place of those still waiting
     process: ProcessWatch | None = None  # the rank's process, where the daemon can see it
 
     @property
@@ -74,7 +76,7 @@ class RankState:
             self.process = None
 
     def summary(self) -> RankSummary:
-        return RankSummary(self.status.value, self.nbytes, self.delivered_bytes, self.error)
+        return RankSummary(self.status.value, self.nbytes, self.delivered_bytes, self.error, self.asking)
 
 
 class RankLedger:
@@ -139,6 +141,8 @@ class RankLedger:
         while queue and ((len(handles) < max_handles and nbytes < max_bytes) or queue[0].batch == handles[-1].batch):
             handle = queue.popleft()
             handles.append(handle)
+            if handle.batch in state.outstanding:
+                state.held.add(handle.batch)
             lease = self._leases.get(handle.batch)
             nbytes += handle.nbytes if lease is None or lease[1] is not None else handle.nbytes // UNLEASED_SHARE
             state.delivered_bytes += handle.nbytes
@@ -146,12 +150,17 @@ class RankLedger:
         return handles
 
     def release(self, state: RankState, batches: Iterable[int]) -> list[Any]:
-        """``state`` is done with ``batches``; return the tokens nobody holds any more."""
+        """``state`` is done with ``batches`` it was handed (others are not its to release: their
+        bytes may not have been read yet); return the tokens nobody holds any more."""
+        return self._unlease(state, [index for index in batches if index in state.held])
+
+    def _unlease(self, state: RankState, batches: Iterable[int]) -> list[Any]:
         freed = []
         for index in batches:
             if index not in state.outstanding:
                 continue
             state.outstanding.discard(index)
+            state.held.discard(index)
             holders, token = self._leases[index]
             if holders > 1:
                 self._leases[index] = (holders - 1, token)
@@ -188,7 +197,7 @@ class RankLedger:
         return out
 
     def _end(self, state: RankState, status: RankStatus, error: str | None = None) -> list[Any]:
-        freed = self.release(state, list(state.outstanding))
+        freed = self._unlease(state, list(state.outstanding))
         state.queue.clear()
         state.stop_watching()
         state.status, state.error = status, error

@@ -1,29 +1,26 @@
 """Load sessions: the ranks of one launch on this node, their union streamed once.
 
-A session is keyed by the client (default: launch id + URI). It waits for all
-``world_size`` ranks to join (who may join: ``roster``), plans the union of their
-selections, and streams it once through a reader into a bounded ring of shared-memory
-segments. Each loaded batch is published to the ranks that need tensors of it, as
-handles (``streamer_client.protocol.Handle``: batch, segment, offset, nbytes, name,
-dtype, shape and whether the segment is the batch's own); a segment is recycled
-when every rank that got handles into it has released them. A slow rank holds
-segments and so applies backpressure; nothing is ever fetched twice.
+A session is keyed by the client (default: launch id + URI). It waits for all ``world_size`` ranks
+to join (who may join: ``roster``), plans the union of their selections, and streams it once through
+a reader into a bounded ring of shared-memory segments. Each loaded batch is published to the ranks
+that need tensors of it, as handles (``streamer_client.protocol.Handle``: batch, segment, offset,
+nbytes, name, dtype, shape and whether the segment is the batch's own); a segment is recycled when
+every rank that got handles into it has released them. A slow rank holds segments and so applies
+backpressure; nothing is ever fetched twice.
 
-Which rank holds which batch is the rank ledger's (``ledger``); which segment a
-batch lands in — a ring slot from the node's pool or a segment kept resident —
-is the session buffers' (``session_buffers``); reading is the pipeline's, through a
-reader built by ``reader_factory`` (``readers.choice.reader_for`` the URI; tests pass a fake
-one and drive a session in-process). This module is the state machine that
-ties them together, and the ranks' requests.
+Which rank holds which batch is the rank ledger's (``ledger``); which segment a batch lands in — a
+ring slot from the node's pool or a segment kept resident — is the session buffers'
+(``session_buffers``); reading is the pipeline's, through a reader built by ``reader_factory``
+(``readers.choice.reader_for`` the URI; tests pass a fake one and drive a session in-process). This
+module is the state machine that ties them together, and the ranks' requests.
 
-A rank whose process is gone, or that is silent for ``rank_timeout_s``, is
-reclaimed (its leases released); the others finish. A load no rank reads any
-more (all left or reclaimed) stops reading, as does every load when the daemon
-stops. Segments are unlinked when the session ends, whatever the outcome,
-except those the session kept resident (``resident``): with a retention budget, the
-tensors a previous load left in memory are handed out from there first, and only the
-rest is streamed, each batch into a segment of its own that stays for the next load.
-A session can also serve a single rank (``only``): one that rejoins a load after dying.
+A rank whose process is gone, or that is silent for ``rank_timeout_s``, is reclaimed (its leases
+released); the others finish. A load no rank reads any more (all left or reclaimed) stops reading,
+as does every load when the daemon stops. Segments are unlinked when the session ends, whatever the
+outcome, except those the session kept resident (``resident``): with a retention budget, the tensors
+a previous load left in memory are handed out from there first, and only the rest is streamed, each
+batch into a segment of its own that stays for the next load. A session can also serve a single rank
+(``only``): one that rejoins a load after dying.
 """
 
 from __future__ import annotations
@@ -255,7 +252,7 @@ class Session:
         except _Cancelled:
             with self._cond:
                 # Ranks still reading are answered the error before the segments they were handed go.
-                while self._untold() and self._clock() < self._tell_until:
+                while any(r.rank not in self._told for r in self._ledger.active()) and self._clock() < self._tell_until:
                     self._cond.wait(min(self._tell_until - self._clock(), 0.5))
                 self._end(SessionState.FAILED)
             log.warning(
@@ -333,16 +330,24 @@ class Session:
 
     # ------------------------------------------------------------------ rank requests
 
-    def next(self, rank: int, release: Sequence[int], wait_s: float) -> tuple[list[Handle], bool]:
-        """Release ``release``; return ready handles (waiting up to ``wait_s``) and whether this rank is done."""
+    def next(
+        self, rank: int, release: Sequence[int], wait_s: float, gone: threading.Event | None = None
+    ) -> tuple[list[Handle], bool]:
+        """Release ``release``; return ready handles (waiting up to ``wait_s``) and whether this rank is done.
+        A newer request of the rank answers in place of one still waiting (its client gave up on
+        it), which returns none; so does one whose connection closed (``gone``)."""
         with self._cond:
             state = self._rank(rank)
-            self._recycle_all(self._ledger.release(state, release))
+            poll = state.polls = state.polls + 1  # an earlier request still waiting gives way when woken
+            self._recycle_all(self._ledger.release(state, release))  # (which wakes every waiter)
             state.last_seen = self._clock()
             deadline = self._clock() + wait_s
             state.asking += 1
             try:
-                while not state.queue and self.state is SessionState.STREAMING and state.to_hand_out and not self._cancelled:
+                while (
+                    not state.queue and self.state is SessionState.STREAMING and state.to_hand_out and not self._cancelled
+                    and poll == state.polls
+                ):  # fmt: skip
                     remaining = deadline - self._clock()
                     if remaining <= 0:
                         break
@@ -355,6 +360,8 @@ class Session:
                 raise self.error
             if state.status is RankStatus.RECLAIMED:
                 raise self._roster.reclaimed(rank)
+            if poll != state.polls or (gone is not None and gone.is_set()):
+                return [], False
             # About a slot's worth per reply: a load served from memory has everything ready at once.
             handles = self._ledger.take(state, MAX_HANDLES_PER_REPLY, self._slot_size)
             state.last_seen = self._clock()
@@ -380,10 +387,6 @@ class Session:
                 self._cancelled = True
                 self._tell_until = self._clock() + tell_s
             self._cond.notify_all()
-
-    def _untold(self) -> list[int]:
-        """Ranks still reading a cancelled load that have not been answered its error yet."""
-        return [r.rank for r in self._ledger.active() if r.rank not in self._told]
 
     def wait_ended(self, timeout_s: float) -> bool:
         """Wait for the streaming thread to have given everything back."""

@@ -20,16 +20,20 @@ class RankSummary:
     bytes_selected: int
     bytes_delivered: int  # handed to the rank (not counted in metrics for a failed rank)
     error: str | None = None  # why the rank failed
+    waiting: int = 0  # its requests for handles waiting now (one, or others its client gave up on)
 
     def to_json(self) -> dict:
-        out = {"status": self.status, "bytes_selected": self.bytes_selected, "bytes_delivered": self.bytes_delivered}
+        out = {
+            "status": self.status, "bytes_selected": self.bytes_selected, "bytes_delivered": self.bytes_delivered,
+            "waiting": self.waiting,
+        }  # fmt: skip
         if self.error:
             out["error"] = self.error
         return out
 
     @classmethod
     def from_json(cls, body: dict) -> RankSummary:
-        return cls(body["status"], body["bytes_selected"], body["bytes_delivered"], body.get("error"))
+        return cls(body["status"], body["bytes_selected"], body["bytes_delivered"], body.get("error"), body["waiting"])
 
 
 @dataclass(frozen=True)
