@@ -8,6 +8,8 @@ tests/test_metadata.py (object keys).
 
 from __future__ import annotations
 
+import json
+import shutil
 import threading
 from pathlib import Path
 
@@ -109,8 +111,28 @@ def test_bad_selections_are_refused_naming_the_entry(sample, daemon, tmp_path):
         assert "select" in error["message"] and f"at most {MAX_LIST} items" in error["message"]
         # A wrong type in the list.
         assert "select" in _error(_join(c, uri, select=[1, 2]), 422, "ConfigError")["message"]
+        # Text no tensor name can be: a lone surrogate, which JSON's escapes let through.
+        for field in ("select", "priority"):
+            body = json.dumps({"uri": uri, "session": "s", "rank": 0, "world_size": 1, field: ["model.", "\ud800"]})
+            sent = c.post("/v1/sessions/join", content=body.encode(), headers={"content-type": "application/json"})
+            message = _error(sent, 422, "ConfigError")["message"]
+            assert f"body.{field}: Value error, entry '\\ud800' is not valid Unicode text (a lone surrogate)" in message
     metrics = daemon.stats()
     assert metrics["sessions"] == [] and metrics["bytes_read"] == 0  # nothing was streamed
+    _still_fine(daemon, tmp_path / "cache")
+
+
+def test_a_symlink_loop_in_a_checkpoint_dir_is_a_clear_error_naming_it(sample, daemon, tmp_path):
+    through_a_file, loop = tmp_path / "through-a-file", tmp_path / "loop"
+    for broken in (through_a_file, loop):
+        shutil.copytree(sample, broken)
+    (through_a_file / "x").symlink_to(through_a_file / "config.json" / "x")  # ENOTDIR: dangling, skipped
+    (loop / "a").symlink_to(loop / "b")
+    (loop / "b").symlink_to(loop / "a")
+    with daemon.client() as c:
+        assert c.post("/v1/metadata", json={"uri": str(through_a_file)}, timeout=60).status_code == 200
+        error = _error(_join(c, str(loop)), 502, "StorageError")
+    assert error["message"] == f"cannot read {loop}/a: Too many levels of symbolic links" and error["key"] == "a"
     _still_fine(daemon, tmp_path / "cache")
 
 

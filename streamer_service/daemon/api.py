@@ -28,7 +28,7 @@ import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
@@ -144,6 +144,18 @@ class JoinRequest(_Model):
     priority: list[str] | None = Field(default=None, max_length=MAX_LIST)
     launch_id: str | None = Field(default=None, max_length=256)
     force: bool | None = None  # TRTLLM_OBJECT_STORAGE_FORCE_PULL of the rank; None: the daemon's
+
+    @field_validator("select", "priority")
+    @classmethod
+    def _text(cls, entries: list[str] | None) -> list[str] | None:
+        """Entries are text a name can be (JSON lets a lone surrogate through as ``\\ud800``)."""
+        for entry in entries or ():
+            if not entry.isascii():
+                try:
+                    entry.encode()
+                except UnicodeEncodeError:
+                    raise ValueError(f"entry {entry!r} is not valid Unicode text (a lone surrogate)") from None
+        return entries
 
 
 class LeaveRequest(_Model):

@@ -45,11 +45,14 @@ _ENDED_KEPT = 256  # how many ended sessions' outcomes are remembered (rejoins, 
 
 @dataclass
 class _Refusal:
-    """A rank of a group was refused at its join: the rest of the group is told at once."""
+    """A rank of a group was refused at its join: the rest of the group is told at once. The ranks
+    told are kept, not those still to tell: a group of 65,536 ranks would otherwise hold a set of
+    that size for each refused join."""
 
     rank: int
     error: SessionError
-    untold: set[int]  # ranks of the group not yet told
+    world_size: int
+    told: set[int]  # the refused rank, and those of the group told since
     until: float
 
 
@@ -256,10 +259,9 @@ class Daemon:
         with self._lock:
             session = self.sessions.get(key)
             told = set(session.ranks) if session is not None and session.state is SessionState.JOINING else set()
-            untold = set(range(max(world_size, 1))) - told - {rank}
-            if untold:
+            if len(told | {rank}) < world_size:
                 until = time.monotonic() + self.settings.join_timeout_s
-                self._refusals[key] = _Refusal(rank, error, untold, until)
+                self._refusals[key] = _Refusal(rank, error, world_size, told | {rank}, until)
         if told:
             session.refuse(error)
 
@@ -276,10 +278,10 @@ class Daemon:
             if rank == refusal.rank:
                 del self._refusals[key]
                 return
-            if rank not in refusal.untold:
+            if rank in refusal.told or rank >= refusal.world_size:
                 return
-            refusal.untold.discard(rank)
-            if not refusal.untold:
+            refusal.told.add(rank)
+            if len(refusal.told) >= refusal.world_size:
                 del self._refusals[key]
         error = refusal.error  # a copy per rank: ranks raise it in threads of their own
         raise SessionError(error.message, uri=error.uri, key=error.key)

@@ -6,7 +6,13 @@ import os
 import stat as stat_mod
 from typing import BinaryIO
 
-from streamer_client.errors import InvalidURIError, ObjectChangedError, ObjectNotFoundError, StorageAccessDeniedError
+from streamer_client.errors import (
+    InvalidURIError,
+    ObjectChangedError,
+    ObjectNotFoundError,
+    StorageAccessDeniedError,
+    StorageError,
+)
 
 from ..settings import Settings
 from ..uri import Scheme, StorageURI, parse_uri
@@ -73,19 +79,26 @@ class LocalStorage(Storage):
                 link = os.path.join(dirpath, dirname)
                 if os.path.islink(link):
                     self._check(os.path.relpath(link, self.root).replace(os.sep, "/"), link)
-            for filename in filenames:
+            for filename in sorted(filenames):  # the first bad entry named is the same each time
                 path = os.path.join(dirpath, filename)
                 name = os.path.relpath(path, self.root).replace(os.sep, "/")
                 try:
                     st = os.stat(path)
-                except FileNotFoundError:  # dangling symlink: not an object
+                except (FileNotFoundError, NotADirectoryError):  # dangling symlink: not an object
                     continue
+                except OSError as exc:  # a symlink loop, a file this user cannot reach
+                    raise self._unreadable(name, exc) from None
                 self._check(name, path)
                 if not stat_mod.S_ISREG(st.st_mode):
                     continue
                 found.append(ObjectInfo(name=name, size=st.st_size, etag=_version(st)))
         found.sort(key=lambda o: o.name)
         return found
+
+    def _unreadable(self, name: str, exc: OSError) -> StorageError:
+        if isinstance(exc, PermissionError):
+            return StorageAccessDeniedError(f"cannot read {self._path(name)}: permission denied", uri=self.root, key=name)
+        return StorageError(f"cannot read {self._path(name)}: {exc.strerror or exc}", uri=self.root, key=name)
 
     def _walk_error(self, exc: OSError) -> None:
         if isinstance(exc, PermissionError):
@@ -98,6 +111,8 @@ class LocalStorage(Storage):
             st = os.stat(path)
         except FileNotFoundError:
             raise ObjectNotFoundError(f"{self.uri.child(name)} does not exist", uri=self.root, key=name) from None
+        except OSError as exc:
+            raise self._unreadable(name, exc) from None
         self._check(name, path)
         return ObjectInfo(name=name, size=st.st_size, etag=_version(st))
 
