@@ -145,6 +145,8 @@ def test_api_misuse_is_a_clear_error(sample, daemon, tmp_path):
         assert "rank" in _error(_join(c, uri, rank=-1), 422, "ConfigError")["message"]
         assert "world_size" in _error(_join(c, uri, world_size=0), 422, "ConfigError")["message"]
         assert "world_size" in _error(_join(c, uri, world_size="two"), 422, "ConfigError")["message"]
+        assert "body.rank: Input should be a valid integer" in _error(_join(c, uri, rank=True), 422, "ConfigError")["message"]
+        assert "world_size" in _error(_join(c, uri, world_size=2.0), 422, "ConfigError")["message"]
         assert "body.bogus: Extra inputs are not permitted" in _error(_join(c, uri, bogus=1), 422, "ConfigError")["message"]
         r = c.post("/v1/sessions/join", json={"session": "s", "rank": 0, "world_size": 1})
         assert "uri" in _error(r, 422, "ConfigError")["message"]

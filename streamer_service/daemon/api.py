@@ -138,8 +138,8 @@ class MetadataRequest(_Model):
 class JoinRequest(_Model):
     uri: str = Field(max_length=4096)
     session: str = Field(min_length=1, max_length=1024)
-    rank: int = Field(ge=0, le=65535)
-    world_size: int = Field(ge=1, le=65536)
+    rank: int = Field(ge=0, le=65535, strict=True)  # strict: true is not rank 1
+    world_size: int = Field(ge=1, le=65536, strict=True)
     select: list[str] | None = Field(default=None, max_length=MAX_LIST)
     priority: list[str] | None = Field(default=None, max_length=MAX_LIST)
     launch_id: str | None = Field(default=None, max_length=256)
