@@ -237,9 +237,14 @@ def test_requests_for_handles_whose_client_gave_up_lose_nothing(sample, tmp_path
                         f.seek(offset)
                         got[name] = f.read(nbytes)
 
-            while reply := c.post(f"{base}/next", json={"release": [], "wait_s": 1.0}).json()["handles"]:
-                read(reply)  # nothing released: the ring fills and the load waits for this rank
-                held |= {h[0] for h in reply}
+            while True:  # nothing released: the ring fills and the load waits for this rank
+                reply = c.post(f"{base}/next", json={"release": [], "wait_s": 1.0 if held else 10.0}, timeout=60).json()
+                if not reply["handles"] and held:
+                    break
+                read(reply["handles"])
+                held |= {h[0] for h in reply["handles"]}
+            stats = d.stats()
+            assert stats["shm_in_use"] >= stats["shm_budget"]  # the ring is full: nothing more can come
             body = json.dumps({"release": [], "wait_s": 10}).encode()
             given_up = []
             for _ in range(4):

@@ -448,16 +448,23 @@ static int64_t submit_batch(pool_t *pool, PyObject *dsts_obj, PyObject *srcs_obj
     return ticket;
 }
 
-static PyObject *py_submit(PyObject *self, PyObject *args) {
+/* The batch of ``args`` (pool, dsts, srcs, sizes), queued: its ticket and its pool, or -1 with a
+ * Python error set. */
+static int64_t submit_args(PyObject *args, pool_t **pool) {
     PyObject *capsule, *dsts_obj, *srcs_obj, *sizes_obj;
     if (!PyArg_ParseTuple(args, "OSSS", &capsule, &dsts_obj, &srcs_obj, &sizes_obj)) {
-        return NULL;
+        return -1;
     }
-    pool_t *pool = get_pool(capsule);
-    if (pool == NULL) {
-        return NULL;
+    *pool = get_pool(capsule);
+    if (*pool == NULL) {
+        return -1;
     }
-    int64_t ticket = submit_batch(pool, dsts_obj, srcs_obj, sizes_obj);
+    return submit_batch(*pool, dsts_obj, srcs_obj, sizes_obj);
+}
+
+static PyObject *py_submit(PyObject *self, PyObject *args) {
+    pool_t *pool;
+    int64_t ticket = submit_args(args, &pool);
     return ticket < 0 ? NULL : PyLong_FromLongLong(ticket);
 }
 
@@ -524,15 +531,8 @@ static PyObject *py_wait(PyObject *self, PyObject *args) {
 }
 
 static PyObject *py_copy(PyObject *self, PyObject *args) {
-    PyObject *capsule, *dsts_obj, *srcs_obj, *sizes_obj;
-    if (!PyArg_ParseTuple(args, "OSSS", &capsule, &dsts_obj, &srcs_obj, &sizes_obj)) {
-        return NULL;
-    }
-    pool_t *pool = get_pool(capsule);
-    if (pool == NULL) {
-        return NULL;
-    }
-    int64_t ticket = submit_batch(pool, dsts_obj, srcs_obj, sizes_obj);
+    pool_t *pool;
+    int64_t ticket = submit_args(args, &pool);
     if (ticket < 0) {
         return NULL;
     }
