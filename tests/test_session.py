@@ -245,10 +245,10 @@ def test_a_checking_thread_that_cannot_start_fails_the_session(node, monkeypatch
 
     monkeypatch.setattr(versions_module, "ThreadPoolExecutor", NoThreads)
     session = node.session(1, versions=ObjectVersions.of(node.checkpoint, Settings()))
-    _join_all(session, [None])
-    assert session.wait_ended(60) and session.state is SessionState.FAILED and node.ended == [session]
     with pytest.raises(StreamerError, match=r"daemon error while streaming .*can't start new thread"):
+        _join_all(session, [None])  # the join itself says so when the session failed first
         session.next(0, [], 5.0)
+    assert session.wait_ended(60) and session.state is SessionState.FAILED and node.ended == [session]
     assert list(node.shm.iterdir()) == []
 
 
