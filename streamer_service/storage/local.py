@@ -129,8 +129,8 @@ class LocalStorage(Storage):
                     written += len(chunk)
         except FileNotFoundError:
             raise ObjectNotFoundError(f"{path} disappeared during the pull", uri=self.root, key=obj.name) from None
-        except PermissionError:
-            raise StorageAccessDeniedError(f"cannot read {path}: permission denied", uri=self.root, key=obj.name) from None
+        except PermissionError as exc:
+            raise self._unreadable(obj.name, exc) from None
         return written
 
     def permissions(self, obj: ObjectInfo) -> int | None:
