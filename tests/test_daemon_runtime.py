@@ -123,6 +123,27 @@ def test_a_reaper_that_stops_makes_the_daemon_not_ready_and_says_why(tmp_path, c
     assert "no longer reclaimed" in logged[0].getMessage() and logged[0].exc_info is not None
 
 
+def test_joins_refused_while_opening_keep_nothing_per_uri(tmp_path):
+    """Joins whose checkpoint cannot be opened are refused naming the URI, and the daemon keeps
+    nothing for those URIs afterwards (a client that sends many distinct URIs grows nothing)."""
+    from starlette.testclient import TestClient
+
+    from streamer_service.daemon.api import create_app
+    from streamer_service.settings import Settings
+
+    app = create_app(Settings(segment_idle_s=0))
+    with TestClient(app, client=("", 0)) as c:
+        for i in range(20):
+            empty = tmp_path / f"empty-{i}"  # a directory with no checkpoint in it
+            empty.mkdir()
+            reply = c.post("/v1/sessions/join", json={"uri": str(empty), "session": f"s{i}", "rank": 0, "world_size": 1})
+            assert reply.status_code == 404, reply.text
+            error = reply.json()["error"]
+            assert error["type"] == "ObjectNotFoundError" and str(empty) in error["message"], error
+        daemon = app.state.daemon
+        assert daemon._opening == {} and daemon.sessions == {}
+
+
 # --------------------------------------------------------------------------- pending joins
 
 HOLD_JOINS = """

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -233,6 +234,7 @@ def test_missing_bucket(cloud_backend):
     assert "'no-such-bucket-here'" in str(info.value) and uri in str(info.value)
     word = "container" if cloud_backend.name == "azure" else "bucket"  # issue 14: Azure's are containers
     assert str(info.value).startswith(f"{word} 'no-such-bucket-here' does not exist")
+    assert _cache_root_entries() == []
 
 
 def test_empty_prefix(backend):
@@ -240,7 +242,7 @@ def test_empty_prefix(backend):
     uri = backend.uri("nothing-here")
     with pytest.raises(ObjectNotFoundError, match=f"no objects under {parse_uri(uri).normalized}"):
         pull_metadata(uri)
-    assert list(Path(os.environ["STREAMER_CACHE_DIR"]).glob(".tmp-*")) == []
+    assert _cache_root_entries() == []  # no temp dir, no lock file: a bad URI leaves nothing
 
 
 def test_access_denied(cloud_backend):
@@ -250,6 +252,7 @@ def test_access_denied(cloud_backend):
     with pytest.raises(StorageAccessDeniedError) as info:
         pull_metadata(uri)
     assert "access denied" in str(info.value) and parse_uri(uri).normalized in str(info.value)
+    assert _cache_root_entries() == []
 
 
 def test_endpoint_unreachable(cloud_backend, monkeypatch):
@@ -287,6 +290,52 @@ def test_waiting_puller_logs_and_times_out(backend, model, caplog):
     waits = [r for r in caplog.records if "still waiting for lock" in r.getMessage()]
     assert len(waits) >= 3
     assert lock_path.parent == cache.root and not cache.dir_for(parse_uri(model)).exists()
+
+
+def test_a_failed_pull_leaves_the_lock_to_its_waiter_and_nobody_else(backend, tmp_path, caplog):
+    """A pull that cached nothing removes its lock file while it holds it; a puller that was waiting
+    for that file then holds the lock at the path, so a third process cannot take it beside it."""
+    backend.put_tree("elsewhere", {"config.json": b"{}"})
+    uri = backend.uri("nothing-here")
+    cache = MetadataCache(Settings())
+    cache.root.mkdir(parents=True, exist_ok=True)
+    path = cache.lock_path(parse_uri(uri))
+    holder = FileLock(path, timeout_s=5, log_interval_s=1, what="holder")
+    holder.acquire()
+    waiter = FileLock(path, timeout_s=30, log_interval_s=0.05, what="waiter")
+    waiting = threading.Event()
+
+    class Seen(logging.Handler):
+        def emit(self, record):
+            if "pull of waiter" in record.getMessage():
+                waiting.set()
+
+    seen = Seen()
+    logging.getLogger("streamer_service.metadata.lock").addHandler(seen)
+    got = threading.Event()
+    thread = threading.Thread(target=lambda: (waiter.acquire(), got.set()), daemon=True)
+    try:
+        with caplog.at_level(logging.INFO, logger="streamer_service.metadata.lock"):
+            thread.start()
+            assert waiting.wait(10), "the waiter never waited"  # it holds the file the holder will remove
+            holder.discard()
+            assert got.wait(10)
+        assert path.exists()  # the waiter locked the file now at the path...
+        with pytest.raises(CacheLockTimeoutError):  # ...so nobody takes that one beside it
+            FileLock(path, timeout_s=0.3, log_interval_s=1, what="third").acquire()
+        waiter.release()
+        with pytest.raises(ObjectNotFoundError):  # a pull of the URI fails, and removes the file
+            cache.pull(uri)
+        assert _cache_root_entries() == []
+    finally:
+        logging.getLogger("streamer_service.metadata.lock").removeHandler(seen)
+        waiter.release()
+        thread.join(10)
+
+
+def _cache_root_entries() -> list[str]:
+    root = Path(os.environ["STREAMER_CACHE_DIR"])
+    return sorted(p.name for p in root.iterdir()) if root.exists() else []
 
 
 def test_marker_reader_rejects_garbage(tmp_path):

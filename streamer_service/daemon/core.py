@@ -6,10 +6,11 @@ demo can drive the same object through it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -101,7 +102,7 @@ class Daemon:
         self.finished: list[SessionSummary] = []  # ended sessions, newest last (bounded)
         self.bytes_read = 0
         self._lock = threading.Lock()
-        self._opening: dict[str, threading.Lock] = {}
+        self._opening: dict[str, list] = {}  # by cache key: [lock, joins holding or waiting for it]
         self._stop = threading.Event()
         self.stopping = False  # the daemon tells its ranks it stops, then stops serving
         self._reaper: threading.Thread | None = None
@@ -238,14 +239,30 @@ class Daemon:
         if world_size < 1:
             raise SessionError(f"world_size must be at least 1, got {world_size}")
         # Ranks join at once: one of them reads the headers, the others take the cached catalog.
-        with self._lock:
-            opening = self._opening.setdefault(parsed.cache_key, threading.Lock())
-        with opening:
+        with self._opening_lock(parsed.cache_key):
             checkpoint = open_checkpoint(parsed, self.settings, force=force, launch_id=launch_id)
         check_credentials(parsed, self.settings)
         if not 0 <= rank < world_size:
             raise SessionError(f"rank {rank} is outside world_size {world_size}", uri=parsed.normalized)
         return parsed, checkpoint, select_tensors(checkpoint.catalog.tensors, select, priority)
+
+    @contextlib.contextmanager
+    def _opening_lock(self, cache_key: str) -> Iterator[None]:
+        """Held while a checkpoint is opened: one opening per URI at a time. Kept only while some
+        join holds or waits for it, so URIs that were opened once cost nothing afterwards."""
+        with self._lock:
+            entry = self._opening.get(cache_key)
+            if entry is None:
+                entry = self._opening[cache_key] = [threading.Lock(), 0]
+            entry[1] += 1
+        try:
+            with entry[0]:
+                yield
+        finally:
+            with self._lock:
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del self._opening[cache_key]
 
     def _refuse(self, key: str, rank: int, world_size: int, exc: StreamerError) -> None:
         """Rank ``rank`` of group ``key`` was refused: fail the group's joining session now and

@@ -4,7 +4,8 @@ Layout under the cache root (``STREAMER_CACHE_DIR``)::
 
     <sha256 of normalized URI>/            the pulled files, as laid out under the prefix
     <sha256 of normalized URI>/.runai_complete   JSON: what was pulled, when, by which launch
-    <sha256 of normalized URI>.lock        flock guarding pulls of that URI (beside, not inside)
+    <sha256 of normalized URI>.lock        flock guarding pulls of that URI (beside, not inside;
+                                           removed by a pull that cached nothing)
     .tmp-<sha256>-<pid>-<token>/           a pull in progress (removed if its puller died)
 
 Correctness comes from a per-process temp dir renamed into place, with the
@@ -232,8 +233,13 @@ class MetadataCache:
                 log.debug("metadata of %s pulled by another process; reusing %s", uri, final)
                 return final, marker
             self._sweep(uri)
-            with open_storage(uri, self.settings) as storage:
-                marker = self._pull_locked(uri, storage, final, launch)
+            try:
+                with open_storage(uri, self.settings) as storage:
+                    marker = self._pull_locked(uri, storage, final, launch)
+            except BaseException:
+                if not final.exists():
+                    lock.discard()  # nothing of this URI is cached: nothing of it stays beside the cache either
+                raise
         self.downloads += 1
         return final, marker
 
