@@ -17,6 +17,7 @@ import httpx
 import pytest
 from daemon_harness import DaemonProcess, leftovers, wait_until
 
+from streamer_client.protocol import ERROR_TEXT_LIMIT
 from streamer_service.daemon.api import MAX_BODY_BYTES, MAX_LIST
 from streamer_service.sample import build_sample
 
@@ -117,6 +118,17 @@ def test_bad_selections_are_refused_naming_the_entry(sample, daemon, tmp_path):
             sent = c.post("/v1/sessions/join", content=body.encode(), headers={"content-type": "application/json"})
             message = _error(sent, 422, "ConfigError")["message"]
             assert f"body.{field}: Value error, entry '\\ud800' is not valid Unicode text (a lone surrogate)" in message
+        # An entry of a megabyte is named by its start: the reply does not send it back whole.
+        long_entry = "model.layers.0.nothing." + "x" * 2**20
+        sent = _join(c, uri, select=[long_entry])
+        error = _error(sent, 400, "SelectionError")
+        assert len(sent.content) < 3 * ERROR_TEXT_LIMIT
+        message, key = error["message"], error["key"]
+        assert message.startswith("selection entry 'model.layers.0.nothing.xxxx") and message.endswith(
+            "' matches no tensor name or prefix"
+        )
+        assert len(message) <= ERROR_TEXT_LIMIT and " characters left out] ... " in message
+        assert key.startswith(long_entry[:7000]) and len(key) <= ERROR_TEXT_LIMIT
     metrics = daemon.stats()
     assert metrics["sessions"] == [] and metrics["bytes_read"] == 0  # nothing was streamed
     _still_fine(daemon, tmp_path / "cache")

@@ -83,3 +83,18 @@ def test_request_bodies_are_accepted_by_the_daemon_as_the_client_builds_them():
         parsed = getattr(api, type(body).__name__).model_validate(json.loads(json.dumps(body.to_wire())))
         assert parsed.model_dump() == body.to_wire()
     assert protocol.MetadataReply.from_wire(_wire(protocol.MetadataReply("/cache/x"))) == protocol.MetadataReply("/cache/x")
+
+
+def test_error_texts_are_clipped_to_the_limit_keeping_start_end_and_the_count():
+    assert protocol.clipped(None) is None
+    exact = "e" * protocol.ERROR_TEXT_LIMIT
+    assert protocol.clipped(exact) == exact  # at the limit: as it is
+    text = "entry '" + "x" * 10**6 + "' matches no tensor"
+    short = protocol.clipped(text)
+    assert len(short) <= protocol.ERROR_TEXT_LIMIT
+    head, rest = short.split(" ... [", 1)
+    count, tail = rest.split(" characters left out] ... ", 1)
+    assert text.startswith(head) and text.endswith(tail) and tail.endswith("' matches no tensor")
+    assert len(head) + int(count) + len(tail) == len(text)
+    body = protocol.error_body("SelectionError", text, uri="/m/" + "d" * 10**5, key="k" * 10**5)
+    assert all(len(v) <= protocol.ERROR_TEXT_LIMIT for k, v in body["error"].items() if k != "type")

@@ -207,7 +207,7 @@ class _Receiver:
             # Failed here (a segment it could not map, a copy that failed): the daemon counts this
             # rank as failed, not as delivered.
             with contextlib.suppress(StreamerError):
-                self._client.call(self._leave, protocol.LeaveRequest(f"{type(exc).__name__}: {exc}"[:4096]).to_wire())
+                self._client.call(self._leave, protocol.LeaveRequest(protocol.clipped(f"{type(exc).__name__}: {exc}")).to_wire())
             raise
         finally:
             try:

@@ -15,6 +15,9 @@ replies with ``to_wire``:
 - an error: ``{"error": {"type", "message", "uri", "key"}}`` with the class name from
   :mod:`streamer_client.errors`, which the client raises again (:func:`error_from_body`).
 
+Texts that may echo what a caller sent (an error's message, URI and key; a leaving rank's error)
+are at most :data:`ERROR_TEXT_LIMIT` characters on the wire (:func:`clipped`).
+
 Nothing here needs torch, numpy or httpx.
 """
 
@@ -27,6 +30,7 @@ from . import errors
 from .errors import DaemonError, StreamerError
 
 __all__ = [
+    "ERROR_TEXT_LIMIT",
     "JOIN_PATH",
     "METADATA_PATH",
     "Handle",
@@ -37,6 +41,7 @@ __all__ = [
     "MetadataRequest",
     "NextReply",
     "NextRequest",
+    "clipped",
     "error_body",
     "error_from_body",
     "rank_path",
@@ -163,9 +168,22 @@ class NextReply:
         return cls(tuple(Handle.from_wire(raw) for raw in data["handles"]), data["done"])
 
 
+ERROR_TEXT_LIMIT = 8192
+"""Characters of an error text on the wire: a bad entry of a long list is named, not sent back whole."""
+
+
+def clipped(text: str | None, limit: int = ERROR_TEXT_LIMIT) -> str | None:
+    """``text``, or in at most ``limit`` characters its start, how many characters were left out
+    and its last 256 (where an error says what was wrong with what it names)."""
+    if text is None or len(text) <= limit:
+        return text
+    head, tail = limit - 64 - 256, 256
+    return f"{text[:head]} ... [{len(text) - head - tail} characters left out] ... {text[-tail:]}"
+
+
 def error_body(type_name: str, message: str, *, uri: str | None = None, key: str | None = None) -> dict:
-    """The JSON body of an error reply."""
-    return {"error": {"type": type_name, "message": message, "uri": uri, "key": key}}
+    """The JSON body of an error reply (its texts :func:`clipped`)."""
+    return {"error": {"type": type_name, "message": clipped(message), "uri": clipped(uri), "key": clipped(key)}}
 
 
 def error_from_body(data: Any, status: int, where: object) -> StreamerError:

@@ -33,7 +33,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from streamer_client import errors
-from streamer_client.protocol import JoinReply, MetadataReply, NextReply, error_body
+from streamer_client.protocol import ERROR_TEXT_LIMIT, JoinReply, MetadataReply, NextReply, error_body
 
 from ..readers.choice import local_reader_in_force
 from ..readers.runai import read_parallelism_in_force
@@ -159,7 +159,7 @@ class JoinRequest(_Model):
 
 
 class LeaveRequest(_Model):
-    error: str | None = Field(default=None, max_length=4096)  # the rank failed with this (not: abandoned)
+    error: str | None = Field(default=None, max_length=ERROR_TEXT_LIMIT)  # the rank failed with this (not: abandoned)
 
 
 class NextRequest(_Model):
