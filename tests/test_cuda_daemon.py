@@ -151,3 +151,36 @@ def test_a_reload_in_the_same_process_pins_nothing_again(big_checkpoint, tmp_pat
     finally:
         d.stop()
     assert list(d.shm_dir.iterdir()) == []
+
+
+CLOSED_MIDWAY = CHECK + textwrap.dedent(
+    """
+    import sys, streamer_client
+    uri = sys.argv[1]
+    stream = streamer_client.stream(uri, device="cuda:0", launch_id="first")
+    taken = [t for _, (_, t) in zip(range(20), stream)]
+    stream.close()  # mid-reply: a window of the next batch is being filled from its segment
+    torch.cuda.synchronize()
+    n, bad = check(uri, streamer_client.stream(uri, device="cuda:0", launch_id="second"), "cuda:0")
+    print(json.dumps({"taken": len(taken), "n": n, "bad": bad}))
+    """
+)
+
+
+def test_a_staged_load_closed_midway_leaves_at_once_and_the_next_load_is_exact(big_checkpoint, tmp_path):
+    """Both loads stage (``STREAMER_PIN_SEGMENTS=never``); the first is closed after 20 tensors, with
+    a window still held in the ring: the rank leaves at once (not reclaimed after a timeout), and
+    the next load in the same process is bit-exact."""
+    d = DaemonProcess(tmp_path, {}, "--shm-budget", "1GiB").start()
+    try:
+        p = subprocess.run([sys.executable, "-c", CLOSED_MIDWAY, str(big_checkpoint)],
+                           env=d.rank_env(STREAMER_PIN_SEGMENTS="never"), capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert json.loads(p.stdout.strip().splitlines()[-1]) == {"taken": 20, "n": 49, "bad": []}
+        first, second = d.finished(2)[-2:]
+        assert first["ranks"]["0"]["status"] == "left"
+        assert second["ranks"]["0"]["status"] == "done" and second["error"] is None
+        assert d.healthy()
+    finally:
+        d.stop()
+    assert list(d.shm_dir.iterdir()) == []

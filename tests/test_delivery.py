@@ -177,6 +177,62 @@ def test_staged_windows_are_byte_exact_and_a_source_cut_short_names_its_item(tmp
         mapping.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or not copier.available(), reason="needs CUDA and the native copier")
+def test_held_windows_are_finished_by_the_next_copy_and_a_cut_short_one_names_its_own_item(tmp_path):
+    """Copies with ``hold`` stream into one another: each call's last window is finished by the
+    next call (or ``flush``), byte-exact; a held window whose source was cut short raises the error
+    of its own call's item from the call that finishes it; ``abandon`` and ``close`` take a held
+    window back."""
+    import mmap
+
+    from streamer_client.cuda import PinnedCopier
+
+    window = delivery.STAGING_SLOT_BYTES
+    size = 3 * window
+    data = np.random.default_rng(11).integers(0, 256, size, dtype=np.uint8)
+    path = tmp_path / "source"
+    path.write_bytes(data.tobytes())
+    with open(path, "rb") as f:
+        mapping = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
+    array = np.frombuffer(mapping, dtype=np.uint8)
+    base = array.ctypes.data
+    # Three calls: one and a half windows, half a window plus one, the rest; then an empty call.
+    calls = [[(0, 1000), (1000, window + window // 2)], [(window + window // 2, 2 * window + 1)], [(2 * window + 1, size)]]
+    pinned = PinnedCopier("cuda:0")
+    staging = delivery.Staging(pinned)
+    try:
+        outs = []
+        for n, call in enumerate(calls):
+            items = [(base + a, "U8", (b - a,)) for a, b in call]
+            outs += staging.copy(items, lambda i, n=n: DaemonError(f"call {n} item {i}"), hold=True)
+        assert staging.copy([], lambda i: DaemonError(f"empty call item {i}"), hold=True) == []  # finishes the held one
+        torch.cuda.synchronize()
+        assert b"".join(t.cpu().numpy().tobytes() for t in outs) == data.tobytes()
+
+        os.truncate(path, window)  # from here on the mapping's second window is cut short
+        first = [(base, "U8", (window + window // 2,))]  # its held last window reads the cut-short part
+        staging.copy(first, lambda i: DaemonError(f"first item {i}"), hold=True)  # returns before it is finished
+        with pytest.raises(DaemonError, match=r"^first item 0$"):
+            staging.copy([(base, "U8", (100,))], lambda i: DaemonError(f"second item {i}"), hold=True)
+        outs = staging.copy([(base, "U8", (window,))], lambda i: AssertionError(i))  # the ring is whole
+        torch.cuda.synchronize()
+        assert outs[0].cpu().numpy().tobytes() == data[:window].tobytes()
+
+        staging.copy([(base, "U8", (window // 2,))], lambda i: AssertionError(i), hold=True)
+        staging.abandon()  # the held window is waited for and dropped: the next copy starts afresh
+        outs = staging.copy([(base + 5, "U8", (window - 5,))], lambda i: AssertionError(i))
+        torch.cuda.synchronize()
+        assert outs[0].cpu().numpy().tobytes() == data[5:window].tobytes()
+
+        staging.copy([(base, "U8", (window // 2,))], lambda i: AssertionError(i), hold=True)
+    finally:
+        staging.close()  # a window still held: waited for, its slot taken back
+        pinned.close()
+        del array
+        mapping.close()
+
+
 @pytest.mark.skipif(
     not copier.available() or not hasattr(__import__("mmap"), "MADV_HUGEPAGE"), reason="needs the native copier and THP"
 )

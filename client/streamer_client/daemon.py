@@ -186,26 +186,24 @@ class _Receiver:
                     # Page-lock this reply's segments on the worker thread, in copy order: the next
                     # one is registered while the current one's copies run.
                     self._segments.prepare([b[0].segment for b in batches if b[0].segment is not None], self._device)
-                for batch in batches:
-                    if self._staging is not None:
-                        yield from self._staged(batch)
-                    elif self._copier is not None:
-                        yield from self._to_device(batch)
-                    elif self._borrowed:
-                        yield from self._lent(batch)
-                    else:
-                        yield from self._copied(batch)
+                if self._staging is not None:
+                    yield from self._staged(batches)
+                else:
+                    for batch in batches:
+                        yield from self._delivered(batch)
             self._client.call(self._leave, protocol.LeaveRequest().to_wire())
         except (GeneratorExit, errors.BorrowedTensorError):
             # Abandoned (the caller closed the iterator, or kept a borrowed view against its
             # lifetime): hand everything back now rather than holding segments until the daemon
             # reclaims this rank as silent.
+            self._stop_staging()
             with contextlib.suppress(StreamerError):
                 self._client.call(self._leave, protocol.LeaveRequest().to_wire())
             raise
         except BaseException as exc:
             # Failed here (a segment it could not map, a copy that failed): the daemon counts this
             # rank as failed, not as delivered.
+            self._stop_staging()
             with contextlib.suppress(StreamerError):
                 self._client.call(self._leave, protocol.LeaveRequest(protocol.clipped(f"{type(exc).__name__}: {exc}")).to_wire())
             raise
@@ -218,6 +216,19 @@ class _Receiver:
                     self._copier.close()  # waits for copies in flight, unpins the segments
                 self._segments.close()
                 self._client.close()
+
+    def _stop_staging(self) -> None:
+        """A load that ends early: a window still being filled reads this rank's segments, so it is
+        waited for before the daemon hears that the rank left."""
+        if self._staging is not None:
+            self._staging.abandon()
+
+    def _delivered(self, batch: list[Handle]) -> Iterator[tuple[str, torch.Tensor]]:
+        if self._copier is not None:
+            return self._to_device(batch)
+        if self._borrowed:
+            return self._lent(batch)
+        return self._copied(batch)
 
     def _lent(self, batch: list[Handle]) -> Iterator[tuple[str, torch.Tensor]]:
         for h in batch:
@@ -241,12 +252,24 @@ class _Receiver:
         self._finish(batch[-1])
         yield from _handed(batch, tensors)
 
-    def _staged(self, batch: list[Handle]) -> Iterator[tuple[str, torch.Tensor]]:
-        """The batch's bytes staged to the device; the batch released once they are copied out."""
-        with_bytes = [h for h in batch if h.segment is not None]
-        items = [(self._segments.segment(h.segment).address + h.offset, h.dtype, h.shape) for h in with_bytes]
-        staged = iter(self._staging.copy(items, lambda i: _cut_short(with_bytes, i)))
-        tensors = [next(staged) if h.segment is not None else _empty(h, self._device) for h in batch]
+    def _staged(self, batches: list[list[Handle]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """A reply's batches staged to the device as one stream of windows: a batch's tensors are
+        yielded, and the batch released, once the next batch's first window is being filled (the
+        last batch: once its bytes are copied out). Releases go with the next request anyway."""
+        previous: tuple[list[Handle], list[torch.Tensor]] | None = None
+        for k, batch in enumerate(batches):
+            with_bytes = [h for h in batch if h.segment is not None]
+            items = [(self._segments.segment(h.segment).address + h.offset, h.dtype, h.shape) for h in with_bytes]
+            more = k + 1 < len(batches)
+            staged = iter(self._staging.copy(items, functools.partial(_cut_short, with_bytes), hold=more))
+            tensors = [next(staged) if h.segment is not None else _empty(h, self._device) for h in batch]
+            if previous is not None:  # this copy finished the window the previous batch's left held
+                yield from self._staged_out(*previous)
+            previous = (batch, tensors)
+        if previous is not None:
+            yield from self._staged_out(*previous)
+
+    def _staged_out(self, batch: list[Handle], tensors: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
         self._finish(batch[-1])
         yield from _handed(batch, tensors)
 

@@ -187,6 +187,10 @@ def staging_pinned() -> bool:
 class Staging:
     """One load's device copies through the process's staging ring (see the module docstring).
 
+    Successive :meth:`copy` calls may form one stream of windows (``hold``): the last window of
+    one call is queued to the device by the next call, once the next call's first window is
+    being filled, so that the copier's threads never wait for the caller between calls.
+
     Not thread-safe: the thread that drives ``pinned`` (a :class:`PinnedCopier`) drives this.
     :meth:`close` gives the ring back after every copy out of it has completed.
     """
@@ -200,16 +204,27 @@ class Staging:
         except BaseException:
             self._finish()
             raise
-        self._filling: tuple | None = None  # (slot, copier ticket, window, offsets): copying into a slot
+        self._filling: tuple | None = None  # (slot, copier ticket, window, offsets, outs, fault): copying into a slot
         self._closed = False
 
-    def copy(self, items: Sequence[tuple[int, str, Sequence[int]]], fault: Callable[[int], BaseException]) -> list[torch.Tensor]:
+    def copy(
+        self,
+        items: Sequence[tuple[int, str, Sequence[int]]],
+        fault: Callable[[int], BaseException],
+        *,
+        hold: bool = False,
+    ) -> list[torch.Tensor]:
         """Device tensors of ``items`` (``(source address, dtype, shape)``), their bytes staged.
 
         Returns once every byte was copied out of the sources (they may be reused from now on);
         the tensors may be used on the current stream (fenced), their copies may still run.
+        ``hold``: more items follow at once; the last window of these is still being filled when
+        this returns, and the next :meth:`copy` (or :meth:`flush`) finishes it: only then are all
+        of these sources read and all of these tensors fenced. ``fault(i)`` is the error of item
+        ``i`` whose source was cut short, raised by whichever call finishes its window.
         """
         outs = [self._pinned.empty(torch_dtype(dtype), shape) for _, dtype, shape in items]
+        held = self._filling  # the window a held call left, if any: the first fill below queues it
         window: list[tuple[int, int, int, int]] = []  # (item, source address, nbytes, offset in the tensor)
         filled = 0
         try:
@@ -225,11 +240,21 @@ class Staging:
                         window, filled = [], 0
             if window:
                 self._fill(window, outs, fault)
-            self._send(outs, fault)  # the last window: its sources are read before this returns
+            if not hold or self._filling is held:  # (nothing filled here: finish the held window now)
+                self.flush()
         except BaseException:
-            self._abandon()
+            self.abandon()
             raise
         return outs
+
+    def flush(self) -> None:
+        """Finish the window being filled, if any: once this returns every source given to
+        :meth:`copy` was read and every tensor it returned is fenced."""
+        try:
+            self._send()
+        except BaseException:
+            self.abandon()
+            raise
 
     def _fill(self, window: list[tuple[int, int, int, int]], outs: list[torch.Tensor], fault) -> None:
         """Start copying ``window`` into a free slot on the copier's threads; while they copy, queue
@@ -253,19 +278,19 @@ class Staging:
             ticket = None
             for dst, src, n in zip(dsts, srcs, sizes):
                 _memmove(dst, src, n)
-        previous, self._filling = self._filling, (slot, ticket, window, offsets)
+        previous, self._filling = self._filling, (slot, ticket, window, offsets, outs, fault)
         if previous is not None:
-            self._queue(previous, outs, fault)
+            self._queue(previous)
 
-    def _send(self, outs: list[torch.Tensor], fault) -> None:
+    def _send(self) -> None:
         """Queue the device copies of the window being filled, if any."""
         filling, self._filling = self._filling, None
         if filling is not None:
-            self._queue(filling, outs, fault)
+            self._queue(filling)
 
-    def _queue(self, filling, outs: list[torch.Tensor], fault) -> None:
+    def _queue(self, filling) -> None:
         """Wait for a filled window's host copies, then queue its device copies."""
-        slot, ticket, window, offsets = filling
+        slot, ticket, window, offsets, outs, fault = filling
         failed = copier.wait(ticket) if ticket is not None else -1
         if failed >= 0:
             self._free.append(slot)
@@ -274,12 +299,13 @@ class Staging:
         pinned.copy_pieces(torch.from_numpy(slot), [(o, n, outs[i], start) for o, (i, _, n, start) in zip(offsets, window)])
         pinned.release_after(lambda: self._free.append(slot), pinned.fence())
 
-    def _abandon(self) -> None:
-        """A copy failed: wait for the window still being filled (its threads write into a slot of
-        ours and read sources the caller may free once we raise) and take its slot back."""
+    def abandon(self) -> None:
+        """A copy failed, or the load ends with a window still held: wait for the window being
+        filled (its threads write into a slot of ours and read sources the caller may free once
+        we return) and take its slot back; its tensors were never handed out."""
         filling, self._filling = self._filling, None
         if filling is not None:
-            slot, ticket, _, _ = filling
+            slot, ticket = filling[0], filling[1]
             if ticket is not None:
                 copier.wait(ticket)
             self._free.append(slot)
@@ -290,6 +316,7 @@ class Staging:
             return
         self._closed = True
         try:
+            self.abandon()  # a window still held: its tensors were never handed out
             self._pinned.drain()
         finally:
             self._finish()
