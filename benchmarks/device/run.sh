@@ -16,7 +16,9 @@
 # Time: on the 16-core H200 host (2026-12-03) the cold-start rows with RELOADS=1 took about 300 s
 # (setup 30 s, 13 rows x 4 rounds) and the profiles more than the 330 s that call had: give the
 # bench a call of its own (TESTS=0 IMPORTS=0, timeout 600) and the tests and imports another (BENCH=0).
-# Environment: SIZE_GB (6.44), PROCS (3), RELOADS (2), ROWS (all), PROFILE (1), BENCH (1), IMPORTS (1),
+# Environment: SIZE_GB (6.44), PROCS (3), RELOADS (2), ROWS (all), PROFILE (1), BASELINE (another checkout's
+# client/ and streamer_service/, e.g. `git archive` of a commit with the copier built: an A/B of each row of
+# ours in the same rounds), BENCH (1), IMPORTS (1),
 # TESTS (1), TESTS_S (the suite's time limit, at most what is left of LIMIT, 570 s), OUT (where the logs go).
 set -uo pipefail
 
@@ -62,6 +64,7 @@ fi
 
 FLAGS=()
 [ "${PROFILE:-1}" = 1 ] && FLAGS+=(--profile)
+[ -n "${BASELINE:-}" ] && FLAGS+=(--baseline "$BASELINE")
 if [ "${BENCH:-1}" = 1 ]; then
     python3 benchmarks/cold_start.py --size-gb "$SIZE_GB" --procs "$PROCS" --reloads "$RELOADS" --disk-dir /tmp \
         "${THP_ARGS[@]}" --rows "$ROWS" "${FLAGS[@]}" --out "$OUT" --json "$OUT/cold_start.json" 2>&1 | tee "$OUT/cold_start.log"
