@@ -87,17 +87,22 @@ def test_owned_cpu_tensors_from_a_daemon_are_copied_by_the_copier_threads(sample
     _assert_equal(streamer_client.load_state_dict(sample, socket=d.socket), ground_truth(sample))
 
 
-@pytest.mark.skipif(not copier.available(), reason="the native copier is not built")
-def test_a_source_cut_short_under_a_cpu_copy_is_the_callers_error_not_a_crash(tmp_path):
+def _mapped_source(tmp_path, size: int, seed: int):
+    """Random bytes in a file and a read-only mapping of it: (bytes, path, mapping, array over it)."""
     import mmap
 
-    path = tmp_path / "segment"
-    size = 4 * copier.CHUNK_BYTES
-    data = np.random.default_rng(2).integers(0, 256, size, dtype=np.uint8)
+    data = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+    path = tmp_path / "source"
     path.write_bytes(data.tobytes())
     with open(path, "rb") as f:
         mapping = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
-    array = np.frombuffer(mapping, dtype=np.uint8)
+    return data, path, mapping, np.frombuffer(mapping, dtype=np.uint8)
+
+
+@pytest.mark.skipif(not copier.available(), reason="the native copier is not built")
+def test_a_source_cut_short_under_a_cpu_copy_is_the_callers_error_not_a_crash(tmp_path):
+    size = 4 * copier.CHUNK_BYTES
+    data, path, mapping, array = _mapped_source(tmp_path, size, seed=2)
     os.truncate(path, copier.CHUNK_BYTES)
     head = copier.CHUNK_BYTES // 2
     items = [(array[:head], "U8", (head,)), (array[head:], "U8", (size - head,))]
@@ -144,18 +149,12 @@ def test_cuda_loads_through_a_daemon_are_byte_exact_staged_or_pinned(sample, dae
 def test_staged_windows_are_byte_exact_and_a_source_cut_short_names_its_item(tmp_path):
     """Items crossing the staging ring's windows (one window filled while the one before is queued
     to the device); a source truncated under its mapping fails its item and leaves the ring whole."""
-    import mmap
 
     from streamer_client.cuda import PinnedCopier
 
     window = delivery.STAGING_SLOT_BYTES
     size = 2 * window + window // 2
-    data = np.random.default_rng(7).integers(0, 256, size, dtype=np.uint8)
-    path = tmp_path / "source"
-    path.write_bytes(data.tobytes())
-    with open(path, "rb") as f:
-        mapping = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
-    array = np.frombuffer(mapping, dtype=np.uint8)
+    data, path, mapping, array = _mapped_source(tmp_path, size, seed=7)
     cuts = [0, 1000, 1000 + window, size - 7, size]  # item 2 runs from the second window into the third
     items = [(array.ctypes.data + a, "U8", (b - a,)) for a, b in zip(cuts, cuts[1:])]
     pinned = PinnedCopier("cuda:0")
@@ -184,18 +183,12 @@ def test_held_windows_are_finished_by_the_next_copy_and_a_cut_short_one_names_it
     next call (or ``flush``), byte-exact; a held window whose source was cut short raises the error
     of its own call's item from the call that finishes it; ``abandon`` and ``close`` take a held
     window back."""
-    import mmap
 
     from streamer_client.cuda import PinnedCopier
 
     window = delivery.STAGING_SLOT_BYTES
     size = 3 * window
-    data = np.random.default_rng(11).integers(0, 256, size, dtype=np.uint8)
-    path = tmp_path / "source"
-    path.write_bytes(data.tobytes())
-    with open(path, "rb") as f:
-        mapping = mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)
-    array = np.frombuffer(mapping, dtype=np.uint8)
+    data, path, mapping, array = _mapped_source(tmp_path, size, seed=11)
     base = array.ctypes.data
     # Three calls: one and a half windows, half a window plus one, the rest; then an empty call.
     calls = [[(0, 1000), (1000, window + window // 2)], [(window + window // 2, 2 * window + 1)], [(2 * window + 1, size)]]
