@@ -159,7 +159,7 @@ CLOSED_MIDWAY = CHECK + textwrap.dedent(
     uri = sys.argv[1]
     stream = streamer_client.stream(uri, device="cuda:0", launch_id="first")
     taken = [t for _, (_, t) in zip(range(20), stream)]
-    stream.close()  # mid-reply: a window of the next batch is being filled from its segment
+    stream.close()  # mid-load: a window may still be held in the ring, being filled from a segment
     torch.cuda.synchronize()
     n, bad = check(uri, streamer_client.stream(uri, device="cuda:0", launch_id="second"), "cuda:0")
     print(json.dumps({"taken": len(taken), "n": n, "bad": bad}))
@@ -168,9 +168,9 @@ CLOSED_MIDWAY = CHECK + textwrap.dedent(
 
 
 def test_a_staged_load_closed_midway_leaves_at_once_and_the_next_load_is_exact(big_checkpoint, tmp_path):
-    """Both loads stage (``STREAMER_PIN_SEGMENTS=never``); the first is closed after 20 tensors, with
-    a window still held in the ring: the rank leaves at once (not reclaimed after a timeout), and
-    the next load in the same process is bit-exact."""
+    """Both loads stage (``STREAMER_PIN_SEGMENTS=never``); the first is closed after 20 tensors (a
+    window of the stream may still be held in the ring): the rank leaves at once (not reclaimed
+    after a timeout), and the next load in the same process is bit-exact."""
     d = DaemonProcess(tmp_path, {}, "--shm-budget", "1GiB").start()
     try:
         p = subprocess.run([sys.executable, "-c", CLOSED_MIDWAY, str(big_checkpoint)],

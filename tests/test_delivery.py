@@ -149,7 +149,6 @@ def test_cuda_loads_through_a_daemon_are_byte_exact_staged_or_pinned(sample, dae
 def test_staged_windows_are_byte_exact_and_a_source_cut_short_names_its_item(tmp_path):
     """Items crossing the staging ring's windows (one window filled while the one before is queued
     to the device); a source truncated under its mapping fails its item and leaves the ring whole."""
-
     from streamer_client.cuda import PinnedCopier
 
     window = delivery.STAGING_SLOT_BYTES
@@ -183,7 +182,6 @@ def test_held_windows_are_finished_by_the_next_copy_and_a_cut_short_one_names_it
     next call (or ``flush``), byte-exact; a held window whose source was cut short raises the error
     of its own call's item from the call that finishes it; ``abandon`` and ``close`` take a held
     window back."""
-
     from streamer_client.cuda import PinnedCopier
 
     window = delivery.STAGING_SLOT_BYTES

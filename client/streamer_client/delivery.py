@@ -184,6 +184,16 @@ def staging_pinned() -> bool:
     return _RING.pinned
 
 
+class _Filling:
+    """A window being copied into a staging slot: the copier's ticket (``None``: copied already),
+    the window's items and their offsets in the slot, and the tensors and fault of its call."""
+
+    __slots__ = ("slot", "ticket", "window", "offsets", "outs", "fault")
+
+    def __init__(self, slot: np.ndarray, ticket: int | None, window, offsets: list[int], outs: list[torch.Tensor], fault) -> None:
+        self.slot, self.ticket, self.window, self.offsets, self.outs, self.fault = slot, ticket, window, offsets, outs, fault
+
+
 class Staging:
     """One load's device copies through the process's staging ring (see the module docstring).
 
@@ -204,7 +214,7 @@ class Staging:
         except BaseException:
             self._finish()
             raise
-        self._filling: tuple | None = None  # (slot, copier ticket, window, offsets, outs, fault): copying into a slot
+        self._filling: _Filling | None = None
         self._closed = False
 
     def copy(
@@ -278,7 +288,7 @@ class Staging:
             ticket = None
             for dst, src, n in zip(dsts, srcs, sizes):
                 _memmove(dst, src, n)
-        previous, self._filling = self._filling, (slot, ticket, window, offsets, outs, fault)
+        previous, self._filling = self._filling, _Filling(slot, ticket, window, offsets, outs, fault)
         if previous is not None:
             self._queue(previous)
 
@@ -288,15 +298,16 @@ class Staging:
         if filling is not None:
             self._queue(filling)
 
-    def _queue(self, filling) -> None:
+    def _queue(self, filling: _Filling) -> None:
         """Wait for a filled window's host copies, then queue its device copies."""
-        slot, ticket, window, offsets, outs, fault = filling
-        failed = copier.wait(ticket) if ticket is not None else -1
+        slot, window, outs = filling.slot, filling.window, filling.outs
+        failed = copier.wait(filling.ticket) if filling.ticket is not None else -1
         if failed >= 0:
             self._free.append(slot)
-            raise fault(window[failed][0])
+            raise filling.fault(window[failed][0])
         pinned = self._pinned
-        pinned.copy_pieces(torch.from_numpy(slot), [(o, n, outs[i], start) for o, (i, _, n, start) in zip(offsets, window)])
+        pieces = [(o, n, outs[i], start) for o, (i, _, n, start) in zip(filling.offsets, window)]
+        pinned.copy_pieces(torch.from_numpy(slot), pieces)
         pinned.release_after(lambda: self._free.append(slot), pinned.fence())
 
     def abandon(self) -> None:
@@ -305,10 +316,9 @@ class Staging:
         we return) and take its slot back; its tensors were never handed out."""
         filling, self._filling = self._filling, None
         if filling is not None:
-            slot, ticket = filling[0], filling[1]
-            if ticket is not None:
-                copier.wait(ticket)
-            self._free.append(slot)
+            if filling.ticket is not None:
+                copier.wait(filling.ticket)
+            self._free.append(filling.slot)
 
     def close(self) -> None:
         """Wait for every copy out of the ring, then give the ring back. Idempotent."""
