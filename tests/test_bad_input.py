@@ -9,6 +9,7 @@ tests/test_metadata.py (object keys).
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
 from pathlib import Path
@@ -145,6 +146,27 @@ def test_a_symlink_loop_in_a_checkpoint_dir_is_a_clear_error_naming_it(sample, d
         assert c.post("/v1/metadata", json={"uri": str(through_a_file)}, timeout=60).status_code == 200
         error = _error(_join(c, str(loop)), 502, "StorageError")
     assert error["message"] == f"cannot read {loop}/a: Too many levels of symbolic links" and error["key"] == "a"
+    _still_fine(daemon, tmp_path / "cache")
+
+
+def test_a_directory_the_walk_cannot_list_is_a_clear_error_naming_it(sample, daemon, tmp_path):
+    deep = tmp_path / "deep"
+    shutil.copytree(sample, deep)
+    part = "d" * 250
+    fd = os.open(deep, os.O_DIRECTORY)
+    try:  # made one level at a time from the last: its full path is longer than the kernel takes
+        for _ in range(20):
+            os.mkdir(part, dir_fd=fd)
+            inner = os.open(part, os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+    finally:
+        os.close(fd)
+    levels = next(k for k in range(1, 21) if len(f"{deep}/{'/'.join([part] * k)}") >= os.pathconf("/", "PC_PATH_MAX"))
+    key = "/".join([part] * levels)
+    with daemon.client() as c:
+        error = _error(_join(c, str(deep)), 502, "StorageError")
+    assert error["message"] == f"cannot read {deep}/{key}: File name too long" and error["key"] == key
     _still_fine(daemon, tmp_path / "cache")
 
 

@@ -96,14 +96,23 @@ class LocalStorage(Storage):
         return found
 
     def _unreadable(self, name: str, exc: OSError) -> StorageError:
+        """``name`` (``""``: the directory itself) cannot be read."""
+        path, key = (self._path(name), name) if name else (self.root, None)
         if isinstance(exc, PermissionError):
-            return StorageAccessDeniedError(f"cannot read {self._path(name)}: permission denied", uri=self.root, key=name)
-        return StorageError(f"cannot read {self._path(name)}: {exc.strerror or exc}", uri=self.root, key=name)
+            return StorageAccessDeniedError(f"cannot read {path}: permission denied", uri=self.root, key=key)
+        return StorageError(f"cannot read {path}: {exc.strerror or exc}", uri=self.root, key=key)
 
     def _walk_error(self, exc: OSError) -> None:
-        if isinstance(exc, PermissionError):
-            raise StorageAccessDeniedError(f"cannot read {exc.filename}: permission denied", uri=self.root)
-        raise exc
+        """A directory of the walk that cannot be listed: named like an unreadable file. One
+        removed (or replaced by a file) while the walk went on holds no object, like a dangling link."""
+        where = os.fsdecode(exc.filename) if exc.filename is not None else self.root
+        if os.path.normpath(where) == os.path.normpath(self.root):
+            if isinstance(exc, FileNotFoundError):
+                raise ObjectNotFoundError(f"checkpoint directory {self.root} does not exist", uri=self.root)
+            raise self._unreadable("", exc)
+        if isinstance(exc, (FileNotFoundError, NotADirectoryError)):
+            return
+        raise self._unreadable(os.path.relpath(where, self.root).replace(os.sep, "/"), exc)
 
     def stat(self, name: str) -> ObjectInfo:
         path = self._path(name)
