@@ -295,6 +295,29 @@ def test_a_refused_rank_fails_the_joining_ranks_at_once(node):
     assert session.state is SessionState.FAILED and node.ended == [session]
 
 
+def test_a_rank_that_leaves_while_the_group_joins_fails_the_joining_ranks_at_once(node):
+    """Its load would read for a group that cannot form: the waiting ranks hear why now, not at
+    the join timeout, and nothing is read."""
+    session = node.session(2)
+    error: list[BaseException] = []
+    waiting = threading.Thread(target=lambda: _catch(error, session.join, 0, 2, node.checkpoint.catalog.tensors, None))
+    waiting.start()
+    while not session.ranks:
+        threading.Event().wait(0.01)
+    with pytest.raises(SessionError, match="^rank 1 is not part of session 'key'$"):
+        session.leave(1)  # never joined: refused, and the group still waits
+    assert session.state is SessionState.JOINING and waiting.is_alive()
+    session.leave(0, "the engine stopped")
+    waiting.join(10)
+    assert not waiting.is_alive() and type(error[0]) is SessionError
+    assert str(error[0]) == (
+        f"session 'key' for {node.checkpoint.uri.normalized}: rank 0 left before every rank joined (the engine stopped)"
+    )
+    assert session.state is SessionState.FAILED and node.ended == [session]
+    assert node.submitted == [] and list(node.shm.iterdir()) == []
+    session.leave(0)  # leaving again changes nothing
+
+
 def _catch(out: list, fn, *args) -> None:
     try:
         fn(*args)

@@ -79,6 +79,10 @@ class Roster:
         """The session's error: ``session <key> for <uri>: <why>``."""
         return SessionError(f"session {self.key!r} for {self.uri}: {why}", uri=self.uri.normalized)
 
+    def left_early(self, rank: int, error: str | None) -> SessionError:
+        """The session's error when joined rank ``rank`` leaves (having failed with ``error``) before every rank joined."""
+        return self.error(f"rank {rank} left before every rank joined" + (f" ({error})" if error else ""))
+
     def expired(self, now: float, joined: Collection[int]) -> SessionError | None:
         """The error of a session still waiting for ranks at ``now``, past its deadline."""
         if now < self._deadline:

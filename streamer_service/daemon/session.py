@@ -99,8 +99,7 @@ class Session:
         self.ranks: dict[int, RankState] = self._ledger.ranks
         self.stats = LoadStats()
         self.times = LoadTimes()  # for the load-duration and first-tensor histograms
-        # (group key, rank): a session for one rank coming back to its group's load after dying.
-        self.rejoin = rejoin
+        self.rejoin = rejoin  # (group key, rank): a session for one rank coming back to its group's load after dying
         self.resident_bytes = 0  # handed out from memory kept by earlier loads
         self._slot_size = slot_size
         self._in_flight = in_flight  # bytes submitted to storage and not yet landed, at most
@@ -179,8 +178,7 @@ class Session:
         """``rank`` went away while the session waited for the others (its connection closed): it
         is no longer part of the session, which ends once no rank waits in it."""
         with self._cond:
-            state = self.ranks.get(rank)
-            if self.state is not SessionState.JOINING or state is None:
+            if self.state is not SessionState.JOINING or rank not in self.ranks:
                 return
             self._ledger.drop(rank)
             self._roster.drop(rank)
@@ -368,11 +366,14 @@ class Session:
             return handles, state.to_hand_out == 0
 
     def leave(self, rank: int, error: str | None = None) -> None:
-        """The rank is finished, abandons the load, or failed with ``error``: release everything it holds."""
+        """The rank is finished, abandons the load, or failed with ``error``: release everything it
+        holds. Before every rank joined, the group cannot form: its session fails, nothing is read."""
         with self._cond:
-            self._recycle_all(self._ledger.leave(self._rank(rank), error))
+            state = self._rank(rank)
+            if self.state is SessionState.JOINING:
+                return self._fail(self._roster.left_early(rank, error))
+            self._recycle_all(self._ledger.leave(state, error))
             self._stop_if_abandoned()
-            self._cond.notify_all()
 
     def cancel(self, reason: str, tell_s: float = 0.0) -> None:
         """Stop this session (the daemon stops): reads in flight drain, nothing new is submitted,
@@ -396,10 +397,10 @@ class Session:
         return thread is None or not thread.is_alive()
 
     def _stop_if_abandoned(self) -> None:
-        # A load no rank reads any more stops reading: no storage read for nobody, also when the
-        # ranks left rather than being reclaimed.
+        """A load no rank reads any more (its ranks left or were reclaimed) stops: no storage read for nobody."""
         if self.state is SessionState.STREAMING and not self._ledger.any_active():
             self._cancelled = True
+        self._cond.notify_all()
 
     def reap(self, now: float, rank_timeout_s: float) -> None:
         """Reclaim ranks whose process is gone or that were silent for longer than ``rank_timeout_s``;
@@ -412,7 +413,6 @@ class Session:
                 log.warning("session %s: rank %d %s", self.key, state.rank, why)
                 self._recycle_all(freed)
             self._stop_if_abandoned()
-            self._cond.notify_all()
 
     def _rank(self, rank: int) -> RankState:
         return self._roster.member(rank, self.ranks.get(rank))
