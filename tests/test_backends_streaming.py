@@ -165,7 +165,7 @@ def test_azure_missing_object_is_a_storage_error_naming_the_uri(azure_tls, check
     # The shard vanished after its header was read: Run:ai's range read finds no object.
     deleted = out["deleted_shard"]
     assert deleted is not None, "loading a checkpoint whose shard was deleted succeeded"
-    # Run:ai says only "file access error"; one HEAD through the SDK says the object is gone (issue 14).
+    # Run:ai says only "file access error"; one HEAD through the SDK says the object is gone.
     assert deleted["mro"][:2] == ["ObjectNotFoundError", "StorageError"], deleted
     assert deleted["message"].startswith(f"object {shard_key!r} of {uri} does not exist"), deleted
     assert deleted["uri"] == uri, deleted

@@ -66,7 +66,7 @@ def test_cli_and_api_agree_on_the_torchrun_launch(tmp_path):
     assert marker["launch_id"] == "torchelastic-run-7"
 
 
-# --------------------------------------------------------------------------- conventions (issue 15)
+# -------------------------------------------------------------------------------------- conventions
 
 
 def _walk_arguments():
@@ -222,7 +222,7 @@ def _serve(tmp_path, *args, env=None):
     ids=["shm-dir", "bogus-scheme", "one-slash", "env-budget", "budget-below-a-slot", "env-allow-list", "tcp-port-zero"],
 )
 def test_serve_startup_errors_are_one_line_exit_2_before_serving(tmp_path, args, env, message):
-    """Issue 14: these printed a uvicorn traceback after "serving on unix socket", and exited 3."""
+    """These must not print a uvicorn traceback after "serving on unix socket" nor exit 3."""
     result, sock = _serve(tmp_path, *args, env=env)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()

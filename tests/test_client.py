@@ -156,8 +156,8 @@ def test_unreachable_daemon_falls_back_in_process_and_says_so_once(checkpoint, t
 
 @pytest.mark.parametrize("backend", ["local"], indirect=True)  # in this process: one object store at most
 def test_a_listing_cached_mid_upload_is_listed_again_once_the_upload_finished(backend, tmp_path):
-    """Issue 14: a load while 2 of 5 shards existed cached that listing; every later load failed
-    the same way until a forced pull, and the message did not say what fixes it."""
+    """A load while 2 of 5 shards exist fails naming the missing shard; once the upload finishes, the
+    next load lists the shards again and succeeds without a forced pull."""
     src = tmp_path / "five"
     shards = make_sharded_checkpoint(src, mixed_tensors(seed=3), n_shards=5)
     files = {p.name: p.read_bytes() for p in src.iterdir()}
@@ -212,7 +212,7 @@ TWO_STORES = textwrap.dedent(
 def test_a_second_object_store_in_one_process_is_refused_up_front(checkpoint, s3_service, gcs_service, daemon, in_daemon):
     """Run:ai 0.17.0 fails every read from a second object store in one process (S3 then GCS, GCS
     then S3) with "File access error"; docs/daemon.md's claim is checked here, and the second load
-    is refused before any read with an error that says why (issue 14)."""
+    is refused before any read with an error that says why."""
     backends = [s3_service.new_backend(), gcs_service.new_backend()]
     try:
         env = dict(os.environ)

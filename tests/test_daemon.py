@@ -133,7 +133,7 @@ def test_a_daemon_that_served_a_load_holds_no_torch(sample, daemon):
 
 
 def test_rank_killed_mid_load_others_finish_and_shm_is_reclaimed(sample, daemon):
-    # Issue 14.8: the daemon knows the rank's PID from the unix socket and sees its process gone,
+    # The daemon knows the rank's PID from the unix socket and sees its process gone,
     # so the others go on at once; with this 600 s rank timeout they would otherwise wait that long.
     catalog = _catalog(sample)
     names = [t.name for t in catalog.tensors]
@@ -174,7 +174,7 @@ except DaemonError as exc:
 
 
 def test_daemon_killed_mid_load_clients_fail_fast_and_restart_sweeps(sample, daemon):
-    # Deterministic (issue 13.7): the rank holds its first batch, and so a segment, until the
+    # Deterministic: the rank holds its first batch, and so a segment, until the
     # daemon is gone (before, it went on consuming, and a loaded machine let the 2 s rank timeout
     # reclaim it, and its segments, before the test looked); no rank is reclaimed here.
     env = {"STREAMER_SLOT_SIZE": "1MiB", "STREAMER_RANK_TIMEOUT_S": "600"}
@@ -324,14 +324,14 @@ def test_tcp_without_a_token_refuses_to_start(tmp_path):
         [sys.executable, "-m", "streamer_service", "serve", "--socket", str(tmp_path / "s.sock"), "--shm-dir", str(tmp_path), "--tcp-port", "1"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
-    assert result.returncode == 2  # a start-up refusal, before anything is bound (issue 14)
+    assert result.returncode == 2  # a start-up refusal, before anything is bound
     assert result.stderr == "streamer-service serve: error: --tcp-port needs a bearer token in STREAMER_TOKEN\n"
     assert not (tmp_path / "s.sock").exists()
 
 
 def test_segments_are_reused_across_sessions_then_trimmed(sample, daemon):
     # The second rank process is started (torch imported) before the first load ends and waits
-    # for "go": on a loaded machine its start-up alone outlasted the idle time (issue 13.7's kind).
+    # for "go": on a loaded machine its start-up alone outlasted the idle time.
     # No standing ring (tests/test_first_load.py has it): every idle segment goes once idle.
     d = daemon(
         {"STREAMER_SEGMENT_IDLE_S": "10", "STREAMER_SLOT_SIZE": "4MiB", "STREAMER_SEGMENT_PREPARE": "false"},
@@ -388,8 +388,8 @@ def test_keeping_borrowed_daemon_tensors_is_refused_not_overwritten(sample, daem
 
 @pytest.mark.parametrize("backend", ["local", "s3"], indirect=True)
 def test_force_pull_means_the_same_through_the_daemon(backend, sample, daemon, monkeypatch):
-    """Issue 14: pull_metadata sent ``force: None`` to the daemon, so TRTLLM_OBJECT_STORAGE_FORCE_PULL=1
-    returned the stale config while stream() forced a new generation of the weights."""
+    """pull_metadata must send ``force`` to the daemon: with TRTLLM_OBJECT_STORAGE_FORCE_PULL=1 it must not
+    return the stale config while stream() forces a new generation of the weights."""
     import json
 
     import streamer_client

@@ -1,4 +1,4 @@
-"""Daemon edges of issues 13 and 14: loads nobody reads, stopping, crashes in containers, refused
+"""Daemon edges: loads nobody reads, stopping, crashes in containers, refused
 and dead ranks, one ordering rule. Real daemon and rank processes; bytes counted at the storage."""
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ LEAVE_EARLY = textwrap.dedent(
 
 @pytest.mark.parametrize("backend", ["s3"], indirect=True)
 def test_a_load_every_rank_left_stops_reading_from_storage(backend, sample, daemon):
-    """Issue 13.1: once no rank reads a load, nothing more is read for it, and its segments go."""
+    """Once no rank reads a load, nothing more is read for it, and its segments go."""
     uri = _upload(backend, sample)
     total = sum(t.nbytes for t in _catalog(sample).tensors)
     d = daemon({**backend.env, "STREAMER_SLOT_SIZE": "1MiB", "STREAMER_RANK_TIMEOUT_S": "600"}, "--shm-budget", "2MiB")
@@ -86,7 +86,7 @@ def test_a_load_every_rank_left_stops_reading_from_storage(backend, sample, daem
 
 @pytest.mark.parametrize("backend", ["s3"], indirect=True)
 def test_sigterm_mid_load_stops_reading_removes_everything_and_exits_0(backend, sample, daemon):
-    """Issue 13.1 (daemon stop) and 14.5: SIGTERM while a rank holds a batch."""
+    """Daemon stop: SIGTERM while a rank holds a batch."""
     uri = _upload(backend, sample)
     names = [t.name for t in _catalog(sample).tensors]
     total = sum(t.nbytes for t in _catalog(sample).tensors)
@@ -134,7 +134,7 @@ def _inside(unshare: subprocess.Popen) -> int:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="unshare --pid needs root")
 def test_a_pid1_daemon_killed_holding_a_batch_is_swept_by_the_next_pid1_daemon(sample, tmp_path):
-    """Issue 13.3: every daemon is PID 1 in its container; liveness is its lock, not its PID."""
+    """Every daemon is PID 1 in its container; liveness is its lock, not its PID."""
     d = DaemonProcess(tmp_path, {"STREAMER_SLOT_SIZE": "1MiB", "STREAMER_SHM_BUDGET": "2MiB", "STREAMER_RANK_TIMEOUT_S": "600"})
     first = _pid1_daemon(tmp_path, d)
     rank = subprocess.Popen([sys.executable, "-c", KILL_PID1, str(sample)], env=d.rank_env(),
@@ -163,7 +163,7 @@ def test_a_pid1_daemon_killed_holding_a_batch_is_swept_by_the_next_pid1_daemon(s
 
 
 def test_ranks_learn_the_shm_dir_from_the_daemon(sample, tmp_path, daemon):
-    """Issue 13.5: a rank without STREAMER_SHM_DIR, against ``serve --shm-dir /x``."""
+    """A rank without STREAMER_SHM_DIR, against ``serve --shm-dir /x``."""
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     d = daemon({}, "--shm-dir", str(elsewhere))
@@ -180,7 +180,7 @@ def test_ranks_learn_the_shm_dir_from_the_daemon(sample, tmp_path, daemon):
 
 
 def test_a_rank_that_cannot_map_its_segments_is_failed_not_delivered(sample, tmp_path, daemon):
-    """Issue 13.6: stats and metrics say failed."""
+    """Stats and metrics say failed."""
     from test_daemon import _scrape
 
     d = daemon()
@@ -202,7 +202,7 @@ def test_a_rank_that_cannot_map_its_segments_is_failed_not_delivered(sample, tmp
 
 
 def test_a_checkpoint_of_zero_tensors_loads_through_the_daemon(tmp_path, daemon):
-    """Issue 14.6: 0 tensors, as in-process, not 'unknown or finished session'."""
+    """0 tensors, as in-process, not 'unknown or finished session'."""
     from safetensors.torch import save_file
 
     src = tmp_path / "empty"
@@ -218,7 +218,7 @@ def test_a_checkpoint_of_zero_tensors_loads_through_the_daemon(tmp_path, daemon)
 
 @pytest.mark.parametrize("bad_first", [True, False], ids=["refused-first", "refused-last"])
 def test_one_ranks_bad_selection_fails_the_others_at_once(sample, daemon, bad_first):
-    """Issue 14.7: the others learn which rank was refused and why, not 'missing ranks [1]' after
+    """The others learn which rank was refused and why, not 'missing ranks [1]' after
     the join timeout (600 s here: the test would time out first)."""
     names = [t.name for t in _catalog(sample).tensors]
     d = daemon({"STREAMER_JOIN_TIMEOUT_S": "600"})
@@ -249,7 +249,7 @@ print(json.dumps([n for n, _ in streamer_client.stream(sys.argv[1], select=selec
 
 
 def test_priority_order_through_the_daemon_is_the_embedded_order(sample, daemon):
-    """Issue 13.2: priority entries in the order given, not in checkpoint order, in both modes."""
+    """Priority entries in the order given, not in checkpoint order, in both modes."""
     names = [t.name for t in _catalog(sample).tensors]
     priority = ["model.layers.3.", "model.norm.weight", "model.layers.2.self_attn."]
     select = None

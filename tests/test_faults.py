@@ -221,8 +221,8 @@ CREDENTIALS_NAMED = {
 
 @pytest.mark.parametrize("backend", ["s3", "gcs"], indirect=True)
 def test_refused_credentials_with_a_warm_cache_are_an_access_error_naming_their_source(cloud_daemon, backend, sample):
-    """Issue 14: with metadata and catalog cached, only Run:ai touches storage, and it says
-    "File access error" for a 403: that read as a StorageError pointing at the endpoint settings."""
+    """With metadata and catalog cached, only Run:ai touches storage, and it says "File access error"
+    for a 403: that is an access error naming the credentials' source, not the endpoint settings."""
     d, uri = cloud_daemon
     assert finish(d.start_rank(uri, 0, 1, sample, None))["bad"] == []  # warms the cache
     backend.proxy.fault = lambda r: cloud_error(backend.name, 403, r.method)  # credentials revoked

@@ -43,7 +43,7 @@ METADATA = {
     "chat_template.jinja": b"{{ messages }}",
     "original/tokenizer.model": b"\x0a\x0cspm",
 }
-# Neither weights nor anything a loader reads: left in storage (issue 14).
+# Neither weights nor anything a loader reads: left in storage.
 NOT_PULLED = {
     "README.md": b"# tiny\n",
     "rank0.engine": b"TRT" * 100,
@@ -232,7 +232,7 @@ def test_missing_bucket(cloud_backend):
     with pytest.raises(ObjectNotFoundError) as info:
         pull_metadata(uri)
     assert "'no-such-bucket-here'" in str(info.value) and uri in str(info.value)
-    word = "container" if cloud_backend.name == "azure" else "bucket"  # issue 14: Azure's are containers
+    word = "container" if cloud_backend.name == "azure" else "bucket"  # Azure's are containers
     assert str(info.value).startswith(f"{word} 'no-such-bucket-here' does not exist")
     assert _cache_root_entries() == []
 
@@ -345,7 +345,7 @@ def test_marker_reader_rejects_garbage(tmp_path):
     assert Marker.read(tmp_path) is None
 
 
-# --- what is pulled, and how much (issue 14) ------------------------------------------------------
+# --- what is pulled, and how much ---------------------------------------------------------------
 
 
 def test_only_what_loaders_read_is_pulled_and_patterns_add_more(backend, model, monkeypatch):

@@ -342,7 +342,7 @@ def group_selections(draw):
 @settings(max_examples=300, deadline=None)
 @given(group_selections())
 def test_daemon_order_is_embedded_order_for_every_rank(case):
-    """Issue 13.2: a rank gets its tensors in the order ``select`` gives it in-process, whether it
+    """A rank gets its tensors in the order ``select`` gives it in-process, whether it
     loads alone or in a group whose union the daemon orders."""
     tensors, selections, priority = case
     try:

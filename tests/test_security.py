@@ -149,8 +149,8 @@ def test_no_secret_in_logs_or_responses_and_no_path_outside_cache_or_shm(backend
 
 
 def test_symlinks_out_of_an_allowed_dir_are_refused_naming_the_entry(sample, tmp_path):
-    """Issue 14: --allow was checked on the URI only; a symlink inside an allowed dir made the daemon
-    copy any file it could read into the shared cache, and header errors echoed its first 8 bytes."""
+    """--allow is checked on every entry, not the URI only: a symlink inside an allowed dir must not make the
+    daemon copy any file it can read into the shared cache, and header errors must not echo its first 8 bytes."""
     secret_dir = tmp_path / "secrets"
     secret_dir.mkdir()
     secret = secret_dir / "token"

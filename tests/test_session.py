@@ -164,7 +164,7 @@ PRIORITIES = [None, ["model.norm.weight"], ["model.layers.1.", "lm_head.weight"]
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(priority=st.sampled_from(PRIORITIES), world=st.integers(1, 3))
 def test_each_rank_gets_its_bytes_in_the_embedded_order(node, priority, world):
-    """Issue 13.2 through the state machine: daemon order == ``plan.select`` order, every byte exact."""
+    """Through the state machine: daemon order == ``plan.select`` order, every byte exact."""
     names = [t.name for t in node.checkpoint.catalog.tensors]
     selections = [None if world == 1 else rank_selection(names, r, world) for r in range(world)]
     try:
@@ -186,7 +186,7 @@ def test_each_rank_gets_its_bytes_in_the_embedded_order(node, priority, world):
 
 
 def test_a_load_no_rank_reads_stops_submitting(node):
-    """Issue 13.1: both ranks leave after their first reply; the session submits nothing more."""
+    """Both ranks leave after their first reply; the session submits nothing more."""
     total = sum(t.nbytes for t in node.checkpoint.catalog.tensors)
     session = node.session(2)
     _join_all(session, [None, None])
@@ -216,7 +216,7 @@ def test_cancel_stops_a_load_and_tells_the_ranks(node):
 
 
 def test_a_rank_that_failed_fails_the_session_naming_it(node):
-    """Issue 13.6 in-process: a rank leaving with an error is failed, not delivered."""
+    """In-process: a rank leaving with an error is failed, not delivered."""
     session = node.session(2)
     _join_all(session, [None, None])
     results = [None]
@@ -282,7 +282,7 @@ def test_a_newer_request_of_a_rank_answers_in_place_of_one_still_waiting(node):
 
 
 def test_a_refused_rank_fails_the_joining_ranks_at_once(node):
-    """Issue 14.7 in-process: the ranks already waiting get the refusal, not the join timeout."""
+    """In-process: the ranks already waiting get the refusal, not the join timeout."""
     session = node.session(2)
     error: list[BaseException] = []
     waiting = threading.Thread(target=lambda: _catch(error, session.join, 0, 2, node.checkpoint.catalog.tensors, None))

@@ -50,7 +50,7 @@ def test_local_dirs_resolve(tmp_path, monkeypatch):
         ("s3:///prefix", "names no bucket"),
         ("s3://Bucket/x", "invalid bucket name 'Bucket'"),
         ("s3://bücket/x", "invalid bucket name 'bücket'"),
-        ("az://", "names no container"),  # Azure calls its buckets containers (issue 14)
+        ("az://", "names no container"),  # Azure calls its buckets containers
         ("az://Container/x", "invalid container name 'Container'"),
         ("az://c/x?sv=1", "give only container and prefix"),
         ("s3://b/x?versionId=3", "query or fragment"),

@@ -1,4 +1,4 @@
-"""Where an embedded load from a local directory on tmpfs loses against InstantTensor (issue 16).
+"""Where an embedded load from a local directory on tmpfs loses against InstantTensor.
 
     python scripts/probes/local_probe.py --dir DIR [--reps 3]
 
