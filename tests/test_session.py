@@ -284,11 +284,7 @@ def test_a_newer_request_of_a_rank_answers_in_place_of_one_still_waiting(node):
 def test_a_refused_rank_fails_the_joining_ranks_at_once(node):
     """In-process: the ranks already waiting get the refusal, not the join timeout."""
     session = node.session(2)
-    error: list[BaseException] = []
-    waiting = threading.Thread(target=lambda: _catch(error, session.join, 0, 2, node.checkpoint.catalog.tensors, None))
-    waiting.start()
-    while not session.ranks:
-        threading.Event().wait(0.01)
+    waiting, error = _rank_0_waits(session, node)
     session.refuse(SessionError("rank 1 of session 'key' was refused (SelectionError: x)"))
     waiting.join(10)
     assert not waiting.is_alive() and "rank 1 of session 'key' was refused" in str(error[0])
@@ -299,11 +295,7 @@ def test_a_rank_that_leaves_while_the_group_joins_fails_the_joining_ranks_at_onc
     """Its load would read for a group that cannot form: the waiting ranks hear why now, not at
     the join timeout, and nothing is read."""
     session = node.session(2)
-    error: list[BaseException] = []
-    waiting = threading.Thread(target=lambda: _catch(error, session.join, 0, 2, node.checkpoint.catalog.tensors, None))
-    waiting.start()
-    while not session.ranks:
-        threading.Event().wait(0.01)
+    waiting, error = _rank_0_waits(session, node)
     with pytest.raises(SessionError, match="^rank 1 is not part of session 'key'$"):
         session.leave(1)  # never joined: refused, and the group still waits
     assert session.state is SessionState.JOINING and waiting.is_alive()
@@ -316,6 +308,16 @@ def test_a_rank_that_leaves_while_the_group_joins_fails_the_joining_ranks_at_onc
     assert session.state is SessionState.FAILED and node.ended == [session]
     assert node.submitted == [] and list(node.shm.iterdir()) == []
     session.leave(0)  # leaving again changes nothing
+
+
+def _rank_0_waits(session: Session, node) -> tuple[threading.Thread, list[BaseException]]:
+    """Rank 0 of two joined and waiting for rank 1 on a thread; what its join raises goes in the list."""
+    error: list[BaseException] = []
+    waiting = threading.Thread(target=lambda: _catch(error, session.join, 0, 2, node.checkpoint.catalog.tensors, None))
+    waiting.start()
+    while not session.ranks:
+        threading.Event().wait(0.01)
+    return waiting, error
 
 
 def _catch(out: list, fn, *args) -> None:
