@@ -1,18 +1,19 @@
-"""The daemon's shared-memory segments as mapped when made: every page mapped already (Run:ai's
-threads write into them without a fault per page), with or without the kernel's piecewise
-populate."""
+"""Shared-memory segments as mapped: every page mapped already where populated (the daemon's, as
+Run:ai's threads write into them; a rank's for CPU copies), with or without the kernel's
+piecewise populate (``streamer_client.segments.map_shared``)."""
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from streamer_service.daemon import shm
+from streamer_client import segments
+from streamer_client.segments import map_segment
 from streamer_service.daemon.shm import Segment
 
 MIB = 2**20
@@ -49,22 +50,40 @@ def test_a_new_segment_is_mapped_whole_when_made(shm_dir):
         plain = mmap.mmap(fd, 8 * MIB, flags=mmap.MAP_SHARED)
     finally:
         os.close(fd)
-    view = (ctypes.c_char * 1).from_buffer(plain)
+    view = np.frombuffer(plain, dtype=np.uint8)
     try:
-        assert _mapped_bytes(ctypes.addressof(view)) == 0
+        assert _mapped_bytes(view.ctypes.data) == 0
     finally:
         del view
         plain.close()
 
 
 def test_where_the_kernel_refuses_piecewise_populate_one_call_maps_the_segment(shm_dir, monkeypatch):
-    monkeypatch.setattr(shm, "_POPULATE_WRITE", 1000)  # no such advice: EINVAL, as from a kernel before 5.14
-    monkeypatch.setattr(shm, "_piecewise", True)
+    # No such advice: EINVAL, as from a kernel before 5.14.
+    monkeypatch.setattr(segments, "_POPULATE", {False: 1000, True: 1000})
+    monkeypatch.setattr(segments, "_piecewise", True)
     segment = Segment("seg-1", shm_dir / "seg-1", 12 * MIB)
     try:
-        assert shm._piecewise is False  # the next segments go straight to the one call
+        assert segments._piecewise is False  # the next segments go straight to the one call
         assert _mapped_bytes(segment.address) == segment.nbytes
         segment.array[:] = 7
     finally:
         segment.close()
     assert list(shm_dir.iterdir()) == []
+
+
+def test_a_rank_maps_a_segment_whole_for_cpu_copies_and_lazily_otherwise(shm_dir):
+    segment = Segment("seg-1", shm_dir / "seg-1", 9 * MIB)
+    try:
+        segment.array[-1] = 5
+        for populate, mapped in ((True, segment.nbytes), (False, 0)):
+            mapping, identity = map_segment(segment.path, populate=populate)
+            view = np.frombuffer(mapping, dtype=np.uint8)
+            try:
+                assert _mapped_bytes(view.ctypes.data) == mapped and identity[2] == segment.nbytes
+                assert mapping[-1] == 5
+            finally:
+                del view
+                mapping.close()
+    finally:
+        segment.close()

@@ -1,6 +1,6 @@
 """How long a thread that maps memory waits while the daemon makes segments beside it: SEGMENTS
 segments of 256 MiB made on shm.CREATE_WORKERS threads, mapped in one MAP_POPULATE call each (as
-before) or piecewise (``streamer_service.daemon.shm``), while another thread maps, touches and
+before) or piecewise (``streamer_client.segments.map_shared``), while another thread maps, touches and
 unmaps 8 MiB at a time, as an S3 client allocating its part buffers does. Alternates the two ways,
 ROUNDS each, in /dev/shm.
 
@@ -28,14 +28,14 @@ libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_i
 libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 
 
-def one_call(fd: int, nbytes: int, piece: int) -> mmap.mmap:
+def one_call(fd: int, nbytes: int, *, writable: bool, populate: bool, piece: int) -> mmap.mmap:
     return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
 def run(way: str, segments: int, directory: Path) -> tuple[float, float, float, int]:
-    original = shm._map_populated
+    original = shm.map_shared
     if way == "one call":
-        shm._map_populated = one_call
+        shm.map_shared = one_call
     done = threading.Event()
     waits: list[float] = []
 
@@ -57,7 +57,7 @@ def run(way: str, segments: int, directory: Path) -> tuple[float, float, float, 
     finally:
         done.set()
         other.join()
-        shm._map_populated = original
+        shm.map_shared = original
     for segment in made:
         segment.close()
     return took, max(waits), sum(waits) / max(1, len(waits)), len(waits)

@@ -30,7 +30,6 @@ import contextlib
 import errno
 import fcntl
 import logging
-import mmap
 import os
 import re
 import secrets
@@ -42,6 +41,7 @@ from pathlib import Path
 import numpy as np
 
 from streamer_client.errors import ConfigError
+from streamer_client.segments import POPULATE_PIECE, map_shared
 
 from .pages import Pages, detect_pages
 
@@ -54,40 +54,12 @@ _NAME_RE = re.compile(r"^streamer-(\d+)-[0-9a-f]+-\d+$")
 
 
 # Threads that make segments ahead of need (``SegmentStore.create_soon``). posix_fallocate zero-fills
-# and _map_populated maps a segment on one thread; both release the GIL, so segments made side by side
+# a segment and map_shared maps it on one thread; both release the GIL, so segments made side by side
 # on a many-core host take the time of one (the reads they overlap have cores of their own). Not
 # more: where new memory is slow to come (a VM's memory growing), more threads share that rate and
 # the segment the load needs next comes later (8 threads: 0.60 s of a 4.3 GB retained load waiting
 # for segments on an H200 VM, 4 threads: 0.40 s).
 CREATE_WORKERS = max(1, min(4, os.cpu_count() or 1))
-
-
-# A new segment's page tables are made when it is made, not by a fault per 4 KiB page taken by
-# Run:ai's reader threads as they write into it; and a few MiB at a time: each call holds the
-# process's address-space lock, which every other thread of the daemon needs to map memory (the
-# S3 client's buffers: a 256 MiB segment mapped in one call held their first reads up).
-POPULATE_PIECE = 8 * 2**20
-_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14
-_piecewise = True  # False once the kernel refused it: one MAP_POPULATE call a segment instead
-
-
-def _map_populated(fd: int, nbytes: int, piece: int) -> mmap.mmap:
-    """``fd``'s first ``nbytes`` mapped shared and writable, every page mapped already, ``piece``
-    bytes (a multiple of the page size) per call."""
-    global _piecewise
-    prot = mmap.PROT_READ | mmap.PROT_WRITE
-    if _piecewise:
-        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=prot)
-        try:
-            for offset in range(0, nbytes, piece):
-                mapping.madvise(_POPULATE_WRITE, offset, min(piece, nbytes - offset))
-            return mapping
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                return mapping  # pages not mapped now are mapped by the first write to each
-            _piecewise = False
-            mapping.close()
-    return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), prot=prot)
 
 
 class Segment:
@@ -118,7 +90,10 @@ class Segment:
                     ) from None
                 raise
             os.fchmod(fd, mode)  # exactly this mode, whatever the umask
-            self._mmap = _map_populated(fd, nbytes, max(POPULATE_PIECE, pages.size if pages is not None else 0))
+            # Every page mapped now, in pieces (``map_shared``): Run:ai's threads write without a fault a page.
+            self._mmap = map_shared(
+                fd, nbytes, writable=True, populate=True, piece=max(POPULATE_PIECE, pages.size if pages else 0)
+            )
         except BaseException:
             os.unlink(path)  # whatever failed, no file is left behind: nothing maps it
             raise
