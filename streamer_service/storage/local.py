@@ -126,20 +126,16 @@ class LocalStorage(Storage):
         return ObjectInfo(name=name, size=st.st_size, etag=_version(st))
 
     def download(self, obj: ObjectInfo, dest: BinaryIO) -> int:
+        """Copy ``obj`` into ``dest``. An error reading the source names the object; one writing
+        ``dest`` (the cache's) is raised as it is, for the cache to name."""
         path = self._path(obj.name)
-        try:
-            with open(path, "rb") as src:
-                self._check_open(obj.name, src.fileno())
-                if _version(os.fstat(src.fileno())) != obj.etag:
-                    raise ObjectChangedError(f"{path} changed since it was listed", uri=self.root, key=obj.name)
-                written = 0
-                while chunk := src.read(_CHUNK):
-                    dest.write(chunk)
-                    written += len(chunk)
-        except FileNotFoundError:
-            raise ObjectNotFoundError(f"{path} disappeared during the pull", uri=self.root, key=obj.name) from None
-        except PermissionError as exc:
-            raise self._unreadable(obj.name, exc) from None
+        with self._open(obj.name, "disappeared during the pull") as src:
+            if _version(os.fstat(src.fileno())) != obj.etag:
+                raise ObjectChangedError(f"{path} changed since it was listed", uri=self.root, key=obj.name)
+            written = 0
+            while chunk := self._read(obj.name, src):
+                dest.write(chunk)
+                written += len(chunk)
         return written
 
     def permissions(self, obj: ObjectInfo) -> int | None:
@@ -149,15 +145,38 @@ class LocalStorage(Storage):
             raise ObjectNotFoundError(
                 f"{self._path(obj.name)} disappeared during the pull", uri=self.root, key=obj.name
             ) from None
+        except OSError as exc:
+            raise self._unreadable(obj.name, exc) from None
 
     def read_range(self, name: str, offset: int, length: int) -> bytes:
+        with self._open(name, "does not exist") as src:
+            try:
+                return os.pread(src.fileno(), length, offset)
+            except OSError as exc:
+                raise self._unreadable(name, exc) from None
+
+    def _open(self, name: str, gone: str) -> BinaryIO:
+        """``name`` opened for reading, inside the fence; ``ObjectNotFoundError`` ("<path> <gone>")
+        where it is missing, and the error of an unreadable file for any other failure."""
         path = self._path(name)
         try:
-            with open(path, "rb") as src:
-                self._check_open(name, src.fileno())
-                return os.pread(src.fileno(), length, offset)
+            src = open(path, "rb")  # returned open: the caller closes it
         except FileNotFoundError:
-            raise ObjectNotFoundError(f"{path} does not exist", uri=self.root, key=name) from None
+            raise ObjectNotFoundError(f"{path} {gone}", uri=self.root, key=name) from None
+        except OSError as exc:  # a directory where a file was listed, a symlink loop, a refusal
+            raise self._unreadable(name, exc) from None
+        try:
+            self._check_open(name, src.fileno())
+        except BaseException:
+            src.close()
+            raise
+        return src
+
+    def _read(self, name: str, src: BinaryIO) -> bytes:
+        try:
+            return src.read(_CHUNK)
+        except OSError as exc:
+            raise self._unreadable(name, exc) from None
 
 
 def _fence(settings: Settings | None) -> list[str] | None:
