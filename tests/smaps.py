@@ -20,3 +20,8 @@ def mapping(address: int) -> dict[str, str]:
     if entry is None:
         raise AssertionError(f"no mapping holds 0x{address:x}")
     return entry
+
+
+def resident_bytes(address: int) -> int:
+    """Bytes of the mapping holding ``address`` that this process has pages mapped for (``Rss``)."""
+    return int(mapping(address)["Rss"].split()[0]) * 1024

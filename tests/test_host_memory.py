@@ -9,6 +9,7 @@ import mmap
 import numpy as np
 import pytest
 from smaps import mapping as _mapping
+from smaps import resident_bytes
 
 from streamer_client import copier
 from streamer_client.host_memory import anonymous, fault_in
@@ -17,7 +18,7 @@ MIB = 1024 * 1024
 
 
 def _resident(buffer: np.ndarray) -> int:
-    return int(_mapping(buffer.ctypes.data)["Rss"].split()[0]) * 1024
+    return resident_bytes(buffer.ctypes.data)
 
 
 def test_buffer_memory_is_private_and_advised_for_huge_pages():

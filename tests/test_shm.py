@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from smaps import resident_bytes
 
 from streamer_client import segments
 from streamer_client.segments import map_segment
@@ -25,21 +26,10 @@ def shm_dir():
         yield Path(d)
 
 
-def _mapped_bytes(address: int) -> int:
-    """Bytes of the mapping starting at ``address`` that this process has page-table entries for."""
-    with open("/proc/self/smaps") as f:
-        lines = f.read().splitlines()
-    for i, line in enumerate(lines):
-        if line.split()[0].split("-")[0] == f"{address:x}":
-            rss = next(entry for entry in lines[i + 1 :] if entry.startswith("Rss:"))
-            return int(rss.split()[1]) * 1024
-    raise AssertionError(f"no mapping at {address:#x}")
-
-
 def test_a_new_segment_is_mapped_whole_when_made(shm_dir):
     segment = Segment("seg-1", shm_dir / "seg-1", 20 * MIB + 4096)  # pieces of 8 MiB and a short last one
     try:
-        assert _mapped_bytes(segment.address) == segment.nbytes
+        assert resident_bytes(segment.address) == segment.nbytes
         assert bytes(segment.array[:4096]) == bytes(4096) and segment.array[-1] == 0
     finally:
         segment.close()
@@ -52,7 +42,7 @@ def test_a_new_segment_is_mapped_whole_when_made(shm_dir):
         os.close(fd)
     view = np.frombuffer(plain, dtype=np.uint8)
     try:
-        assert _mapped_bytes(view.ctypes.data) == 0
+        assert resident_bytes(view.ctypes.data) == 0
     finally:
         del view
         plain.close()
@@ -65,7 +55,7 @@ def test_where_the_kernel_refuses_piecewise_populate_one_call_maps_the_segment(s
     segment = Segment("seg-1", shm_dir / "seg-1", 12 * MIB)
     try:
         assert segments._piecewise is False  # the next segments go straight to the one call
-        assert _mapped_bytes(segment.address) == segment.nbytes
+        assert resident_bytes(segment.address) == segment.nbytes
         segment.array[:] = 7
     finally:
         segment.close()
@@ -80,7 +70,7 @@ def test_a_rank_maps_a_segment_whole_for_cpu_copies_and_lazily_otherwise(shm_dir
             mapping, identity = map_segment(segment.path, populate=populate)
             view = np.frombuffer(mapping, dtype=np.uint8)
             try:
-                assert _mapped_bytes(view.ctypes.data) == mapped and identity[2] == segment.nbytes
+                assert resident_bytes(view.ctypes.data) == mapped and identity[2] == segment.nbytes
                 assert mapping[-1] == 5
             finally:
                 del view
