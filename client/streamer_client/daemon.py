@@ -249,8 +249,7 @@ class _Receiver:
         ]
         tensors = delivery.copy_to_cpu(items, functools.partial(_cut_short, batch))
         items.clear()
-        self._finish(batch[-1])
-        yield from _handed(batch, tensors)
+        yield from self._hand_out(batch, tensors)
 
     def _staged(self, batches: list[list[Handle]]) -> Iterator[tuple[str, torch.Tensor]]:
         """A reply's batches staged to the device as one stream of windows: a batch's tensors are
@@ -264,12 +263,13 @@ class _Receiver:
             staged = iter(self._staging.copy(items, functools.partial(_cut_short, with_bytes), hold=more))
             tensors = [next(staged) if h.segment is not None else _empty(h, self._device) for h in batch]
             if previous is not None:  # this copy finished the window the previous batch's left held
-                yield from self._staged_out(*previous)
+                yield from self._hand_out(*previous)
             previous = (batch, tensors)
         if previous is not None:
-            yield from self._staged_out(*previous)
+            yield from self._hand_out(*previous)
 
-    def _staged_out(self, batch: list[Handle], tensors: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    def _hand_out(self, batch: list[Handle], tensors: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+        """A batch whose bytes are all copied out: released, then its tensors yielded."""
         self._finish(batch[-1])
         yield from _handed(batch, tensors)
 
