@@ -81,7 +81,7 @@ if [ "${TESTS:-1}" = 1 ] && [ "$LEFT" -ge 30 ]; then
     # hold whichever tests ran before it.
     timeout "$LEFT" python3 -m pytest -p no:cacheprovider -q -n 0 \
         tests/test_cuda.py tests/test_cuda_daemon.py tests/test_first_load.py tests/test_buffers.py \
-        tests/test_delivery.py tests/test_segments.py tests/test_mapped.py tests/test_copier.py \
+        tests/test_delivery.py tests/test_segments.py tests/test_mapped.py tests/test_copier.py tests/test_shm.py \
         -k 'not s3 and not gcs and not azure' > "$OUT/tests.log" 2>&1
     echo "tests exit $?"
     grep -E "passed|failed|error" "$OUT/tests.log" | tail -3
