@@ -67,6 +67,15 @@ def test_a_negative_wait_timeout_waits_until_the_batch_is_done():
         copier._copier.wait(copier.pool(), ticket, 0)
 
 
+def test_a_wait_with_a_timeout_ends_with_none_and_the_batch_stays_to_be_waited_for():
+    """64 MiB into new memory cannot be copied in the 1 ms a zero timeout waits at least."""
+    src = np.full(64 * 1024 * 1024, 5, dtype=np.uint8)
+    dst = np.empty_like(src)
+    ticket = copier.submit([dst.ctypes.data], [src.ctypes.data], [src.nbytes])
+    assert copier.wait(ticket, 0) is None
+    assert copier.wait(ticket, 60) == -1 and np.array_equal(dst, src)
+
+
 def test_a_batch_nobody_waited_for_holds_its_slot_not_the_pool():
     buf = np.zeros(8192, dtype=np.uint8)
     copier.submit([buf.ctypes.data], [buf.ctypes.data + 4096], [16])  # never waited for

@@ -142,6 +142,22 @@ def test_a_file_cut_short_under_its_mapping_fails_that_range_and_the_process_goe
     assert bytes(dst[: 2 * MIB]) == path.read_bytes()[: 2 * MIB]
 
 
+def test_a_submission_not_copied_within_the_wait_answers_none_and_its_ranges_come_later(tmp_path):
+    """64 MiB through a new mapping into new memory take longer than the 1 ms a zero wait lasts:
+    ``answer(0)`` ends with nothing and the ranges still owed; then both answers come, in order."""
+    path = tmp_path / "shard.bin"
+    path.write_bytes(os.urandom(64 * MIB))
+    dst = np.empty(64 * MIB, dtype=np.uint8)
+    reads = (ReadRange(0, 32 * MIB, dst.ctypes.data), ReadRange(32 * MIB, 32 * MIB, dst.ctypes.data + 32 * MIB))
+    with MappedReader(maps=FileMaps()) as reader:
+        reader.submit([FileReads(str(path), reads)], keepalive=dst)
+        assert reader.answer(0) is None and reader.outstanding == 2
+        first, second = reader.answer(), reader.answer(0)
+        assert (first.range_index, second.range_index) == (0, 1) and first.error is second.error is None
+        assert second.submission_done and reader.outstanding == 0 and reader.answer() is None
+    assert bytes(dst) == path.read_bytes()
+
+
 def test_a_range_past_the_end_of_the_file_is_refused_without_a_copy(tmp_path):
     path = tmp_path / "shard.bin"
     path.write_bytes(b"x" * MIB)

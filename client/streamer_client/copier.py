@@ -18,7 +18,9 @@ Optional: the extension is built by ``pip install`` where a C compiler is presen
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+import time
 from array import array
 from collections.abc import Sequence
 from typing import Any
@@ -93,19 +95,30 @@ def submit(dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int]) -> in
     return _copier.submit(pool(), _words(dsts), _words(srcs), _words(sizes))
 
 
-def wait(ticket: int) -> int:
+def wait(ticket: int, timeout_s: float | None = None) -> int | None:
     """Wait for a batch: -1, or the index of its first copy that hit SIGBUS (a file cut short).
+    ``None`` when ``timeout_s`` passed first: the batch is still queued, to be waited for again.
 
     An exception while waiting (Ctrl-C) is raised once the batch is done: until then the copying
     threads write into buffers that the caller may free as the exception goes up."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
-        while (failed := _copier.wait(pool(), ticket, POLL_MS)) is None:
-            pass  # back in the interpreter between waits, so that Ctrl-C is handled
+        # Back in the interpreter at least every POLL_MS, so that Ctrl-C is handled.
+        while (failed := _copier.wait(pool(), ticket, _wait_ms(deadline))) is None:
+            if deadline is not None and time.monotonic() >= deadline:
+                return None
     except BaseException:
         with contextlib.suppress(ValueError):  # the batch is not queued (the error itself): nothing runs
             _copier.wait(pool(), ticket, -1)
         raise
     return failed
+
+
+def _wait_ms(deadline: float | None) -> int:
+    """One native wait's limit: :data:`POLL_MS`, or less to end at ``deadline`` (at least 1 ms)."""
+    if deadline is None:
+        return POLL_MS
+    return max(1, min(POLL_MS, math.ceil((deadline - time.monotonic()) * 1000)))
 
 
 def copy(dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int]) -> int:

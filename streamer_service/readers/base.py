@@ -11,9 +11,11 @@ The contract, for every implementation:
   address) and returns its id at once; ``keepalive`` is whatever owns the destination memory, and
   the reader references it until it is done with that memory (every range answered, or the
   reader closed after a fatal error);
-- ``responses`` yields one :class:`RangeResult` per range until none is owed; a storage error is
-  reported in :attr:`RangeResult.error` (the caller decides), a fatal one raises
-  ``StorageError`` and aborts the reader;
+- ``answer`` returns one :class:`RangeResult` per range, the next one to come, or ``None`` when
+  none is owed or none came within its ``wait_s`` (so that a caller can do other work meanwhile
+  and ask again); ``responses`` yields them until none is owed. A storage error is reported in
+  :attr:`RangeResult.error` (the caller decides), a fatal one raises ``StorageError`` and aborts
+  the reader;
 - one thread drives a reader; ``close`` waits for every read still landing before releasing buffers.
 """
 
@@ -85,6 +87,10 @@ class Reader(Protocol):
         ...
 
     def submit(self, files: Sequence[FileReads], keepalive: Any) -> int: ...
+
+    def answer(self, wait_s: float | None = None) -> RangeResult | None:
+        """The next range's answer; ``None`` when none is owed or none came within ``wait_s`` s."""
+        ...
 
     def responses(self) -> Iterator[RangeResult]: ...
 

@@ -217,6 +217,7 @@ class MappedReader:
             raise StorageError("the native copier is not built; local files are read through Run:ai")
         self._maps = maps
         self._live: deque[_Submission] = deque()
+        self._ready: deque[RangeResult] = deque()  # the answers of submissions done, not yet taken
         self._next_id = 0
         self._started = False
 
@@ -246,11 +247,12 @@ class MappedReader:
                     _wait(submission.ticket)
         finally:
             self._live.clear()
+            self._ready.clear()
             self._maps.leave()
 
     @property
     def outstanding(self) -> int:
-        return sum(sum(len(f.ranges) for f in s.files) for s in self._live)
+        return len(self._ready) + sum(sum(len(f.ranges) for f in s.files) for s in self._live)
 
     def submit(self, files: Sequence[FileReads], keepalive: Any) -> int:
         if not self._started:
@@ -286,13 +288,19 @@ class MappedReader:
         self._live.append(submission)
         return submission.id
 
-    def responses(self) -> Iterator[RangeResult]:
-        """Every range's answer, a submission at a time, in submission order."""
-        while self._live:
+    def answer(self, wait_s: float | None = None) -> RangeResult | None:
+        """The next range's answer: a submission's answers come together once all its copies are
+        done, in submission order. ``None`` when none is owed, or when the head submission's
+        copies are not done within ``wait_s`` seconds (``None``: as long as they take)."""
+        if not self._ready:
+            if not self._live:
+                return None
             submission = self._live[0]
             errors = dict(submission.errors)
             if submission.ticket is not None:
-                failed = _wait(submission.ticket)
+                failed = _wait(submission.ticket, wait_s)
+                if failed is None:
+                    return None
                 if failed >= 0:
                     fi, ri = submission.copies[failed]
                     file = submission.files[fi]
@@ -304,7 +312,15 @@ class MappedReader:
             answers = [(fi, ri) for fi, file in enumerate(submission.files) for ri in range(len(file.ranges))]
             for n, (fi, ri) in enumerate(answers):
                 file = submission.files[fi]
-                yield RangeResult(submission.id, fi, ri, file.path, file.ranges[ri], n == len(answers) - 1, errors.get((fi, ri)))
+                self._ready.append(
+                    RangeResult(submission.id, fi, ri, file.path, file.ranges[ri], n == len(answers) - 1, errors.get((fi, ri)))
+                )
+        return self._ready.popleft()
+
+    def responses(self) -> Iterator[RangeResult]:
+        """Every range's answer, a submission at a time, in submission order."""
+        while (result := self.answer()) is not None:
+            yield result
 
     def __repr__(self) -> str:
         return f"MappedReader({'open' if self._started else 'closed'}, {len(self._live)} submissions)"

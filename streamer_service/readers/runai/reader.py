@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import math
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from types import ModuleType
 from typing import Any
@@ -202,23 +204,34 @@ class NativeReader:
         OBJECT_STORE.note(files[0].path)
         return submission
 
-    def responses(self) -> Iterator[RangeResult]:
-        """Answers as ranges complete, in completion order, until none is owed.
+    def answer(self, wait_s: float | None = None) -> RangeResult | None:
+        """The next range's answer, in completion order. ``None`` when none is owed, or when none
+        came within ``wait_s`` seconds (``None``: as long as it takes).
 
         A storage error is reported in :attr:`RangeResult.error`; the caller decides. A fatal
         code (UnknownError and anything not a storage error) raises :class:`StorageError` and
         aborts this reader: its submissions' buffers stay referenced until :meth:`close`.
         """
-        while self._live:
-            raw = self._next_raw()
-            yield self._resolve(*raw)
+        if not self._live:
+            return None
+        raw = self._next_raw(None if wait_s is None else time.monotonic() + wait_s)
+        return None if raw is None else self._resolve(*raw)
 
-    def _next_raw(self) -> tuple[int, int, int, int, bool]:
+    def responses(self) -> Iterator[RangeResult]:
+        """Answers as ranges complete, in completion order, until none is owed (:meth:`answer`)."""
+        while (result := self.answer()) is not None:
+            yield result
+
+    def _next_raw(self, deadline: float | None) -> tuple[int, int, int, int, bool] | None:
+        """Run:ai's next answer; ``None`` once ``time.monotonic()`` passed ``deadline``."""
         streamer = self._require_started()
         while True:
+            wait_ms = _POLL_MS if deadline is None else max(1, min(_POLL_MS, math.ceil((deadline - time.monotonic()) * 1000)))
             try:
-                raw = self._native.runai_response(streamer, _POLL_MS)
+                raw = self._native.runai_response(streamer, wait_ms)  # 0 would wait without limit
             except TimeoutError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
                 continue
             if raw is None:
                 self._abort_all()
