@@ -24,10 +24,11 @@ from streamer_client.errors import ObjectChangedError
 from streamer_service.bench.latency import LatencyProxy
 from streamer_service.checkpoint.catalog import build_catalog
 from streamer_service.checkpoint.plan import build_plan
-from streamer_service.checkpoint.versions import ObjectVersions
+from streamer_service.checkpoint.versions import CHECK_THREADS, ObjectVersions
 from streamer_service.embedded.engine import EmbeddedEngine, EngineConfig
 from streamer_service.load.pipeline import LoadStats, Pipeline
 from streamer_service.readers import mapped
+from streamer_service.readers.base import FileReads, ReadRange
 from streamer_service.settings import Settings
 from streamer_service.sizing import submission_size
 from streamer_service.storage import open_storage
@@ -195,7 +196,7 @@ def test_the_loads_line_counts_the_time_its_version_checks_held_the_loading_thre
         checked.append(batch)
         time.sleep(0.01)  # a HEAD's round trip, at least
 
-    versions = SimpleNamespace(expect=lambda batch, landed: expected.append(batch), check=check)
+    versions = SimpleNamespace(expect=lambda batch, landed: expected.append(batch), answered=lambda b, landed: True, check=check)
     expected = []
     stats = LoadStats()
     with mapped.MappedReader() as reader:
@@ -218,13 +219,99 @@ def test_the_request_a_landed_batch_made_room_for_goes_out_before_its_version_ch
 
     stats = LoadStats()
     versions = SimpleNamespace(
-        expect=lambda batch, landed: None, check=lambda b, landed: submitted_at_check.append(stats.submissions)
+        expect=lambda batch, landed: None,
+        answered=lambda b, landed: True,
+        check=lambda b, landed: submitted_at_check.append(stats.submissions),
     )
     with mapped.MappedReader() as reader:
         loads = list(Pipeline(uri, plan, reader, _new_memory, stats, versions, in_flight=16 * KIB).loaded(lambda: None))
     assert len(loads) == len(batches) == stats.submissions == 4
     # Checking batch k, batch k + 1 was already asked for (but after the last, there is none).
     assert submitted_at_check == [2, 3, 4, 4]
+
+
+@pytest.mark.skipif(not mapped.available(), reason="the native copier is not built")
+def test_while_the_head_batch_waits_for_its_check_the_reads_behind_it_land_and_more_go_out(tmp_path):
+    """One batch's bytes in flight, and the first batch's HEAD unanswered until every read was
+    collected: meanwhile the loop records the batches behind it and submits each next one, so by
+    the time the first is checked all four were asked for; all are delivered in plan order."""
+    src = tmp_path / "ckpt"
+    make_sharded_checkpoint(src, {f"w{i}": torch.full((64, 64), float(i)) for i in range(4)}, n_shards=1)
+    uri = parse_uri(str(src))
+    plan = build_plan(list(build_catalog(open_storage(uri, Settings())).tensors), 16 * KIB)
+    first = next(b for b in plan.batches if b.ranges)
+    submitted_at_check = []
+    stats = LoadStats()
+    with mapped.MappedReader() as reader:
+        versions = SimpleNamespace(
+            expect=lambda batch, landed: None,
+            answered=lambda batch, landed: batch is not first or not reader.outstanding,
+            check=lambda batch, landed: submitted_at_check.append(stats.submissions),
+        )
+        loads = list(Pipeline(uri, plan, reader, _new_memory, stats, versions, in_flight=16 * KIB).loaded(lambda: None))
+    assert [load.index for load in loads] == sorted(load.index for load in loads) and len(loads) == 4
+    assert submitted_at_check == [4, 4, 4, 4]
+    for load in loads:  # every batch's bytes are its tensors' bytes, read before its check
+        data = load.buffer.memory
+        for placement in load.batch.placements:
+            value = float(placement.tensor.name[1:])
+            got = data[placement.buffer_offset : placement.buffer_offset + placement.tensor.nbytes].view(torch.float32)
+            assert bool((got == value).all()), placement.tensor.name
+
+
+def test_heads_of_batches_that_land_together_go_out_side_by_side(s3_service, monkeypatch):
+    """Four objects' batches landed at once behind a store that takes 0.5 s a request: their HEADs
+    go out on the checking threads together (as many connections open at once), not one after
+    another, and each check passes."""
+    bucket = s3_service.new_backend()
+    names = [f"f{i}" for i in range(CHECK_THREADS)]
+    for name in names:
+        bucket.put(f"m/{name}", b"bytes")
+    uri = parse_uri(bucket.uri("m"))
+    for key, value in s3_service.env_for(s3_service.emulator.endpoint).items():
+        monkeypatch.setenv(key, value)
+    storage = open_storage(uri, Settings())
+    files = [storage.stat(name) for name in names]
+    storage.close()
+    proxy = LatencyProxy.for_url(s3_service.emulator.endpoint, 0.5).start()
+    try:
+        for key, value in s3_service.env_for(proxy.endpoint).items():
+            monkeypatch.setenv(key, value)
+        versions = ObjectVersions(uri, files, Settings())
+        batches = [SimpleNamespace(files=(name,)) for name in names]
+        landed = time.monotonic()
+        for batch in batches:
+            versions.expect(batch, landed)
+        for batch in batches:
+            versions.check(batch, landed)
+        assert versions.checks == len(names) and proxy.counts.requests == len(names)
+        assert proxy.counts.peak_connections == len(names)
+        versions.close()
+    finally:
+        proxy.close()
+        bucket.close()
+
+
+def test_the_run_ai_reader_answers_none_while_nothing_landed_within_the_wait(slow_s3):
+    """A ranged read held 30 ms by the proxy: a 5 ms wait for an answer ends with none, the read
+    still owed; the next wait gets it, its bytes the shard's own."""
+    from streamer_service.readers.runai.environment import storage_environment
+    from streamer_service.readers.runai.reader import NativeReader
+
+    uri_text, _, _ = slow_s3
+    uri = parse_uri(uri_text)
+    storage = open_storage(uri, Settings())
+    shard = build_catalog(storage).files[0]
+    want = storage.read_range(shard.name, 1000, 4096)
+    storage.close()
+    buffer = torch.zeros(4096, dtype=torch.uint8)
+    with NativeReader(environment=storage_environment(Settings())) as reader:
+        reader.submit([FileReads(uri.child(shard.name), (ReadRange(1000, 4096, buffer.data_ptr()),))], keepalive=buffer)
+        assert reader.answer(0.005) is None and reader.outstanding == 1
+        result = reader.answer()
+        assert result is not None and result.error is None and result.submission_done
+        assert reader.outstanding == 0 and reader.answer(0.005) is None
+    assert bytes(buffer.numpy()) == want
 
 
 def test_a_batch_whose_read_failed_ends_the_reads(tmp_path):
@@ -245,11 +332,11 @@ def test_a_batch_whose_read_failed_ends_the_reads(tmp_path):
 
 
 def test_a_failed_check_sends_none_of_the_heads_still_queued(s3_service, monkeypatch):
-    """Eight objects' batches landed, their HEADs queued on the checking thread behind a 0.5 s
+    """Sixteen objects' batches landed, their HEADs queued on the checking threads behind a 0.5 s
     store; the first object changed: its check fails the load, and closing the checks sends no
-    HEAD that nothing would read (the one already out is waited for)."""
+    HEAD that nothing would read (those already out are waited for)."""
     bucket = s3_service.new_backend()
-    names = [f"f{i}" for i in range(8)]
+    names = [f"f{i}" for i in range(4 * CHECK_THREADS)]
     for name in names:
         bucket.put(f"m/{name}", b"old")
     uri = parse_uri(bucket.uri("m"))

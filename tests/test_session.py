@@ -57,14 +57,23 @@ class FakeReader:
             self._pending.append((self._next_id, fi, ri, path, r, n == len(ranges) - 1))
         return self._next_id
 
+    @property
+    def outstanding(self) -> int:
+        return len(self._pending)
+
+    def answer(self, wait_s=None):
+        if not self._pending:
+            return None
+        submission, fi, ri, path, r, last = self._pending.popleft()
+        with open(path, "rb") as f:
+            f.seek(r.offset)
+            data = f.read(r.nbytes)
+        ctypes.memmove(r.dst, data, r.nbytes)
+        return RangeResult(submission, fi, ri, path, r, last, None)
+
     def responses(self):
-        while self._pending:
-            submission, fi, ri, path, r, last = self._pending.popleft()
-            with open(path, "rb") as f:
-                f.seek(r.offset)
-                data = f.read(r.nbytes)
-            ctypes.memmove(r.dst, data, r.nbytes)
-            yield RangeResult(submission, fi, ri, path, r, last, None)
+        while (result := self.answer()) is not None:
+            yield result
 
 
 @pytest.fixture(scope="module")

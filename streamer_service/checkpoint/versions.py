@@ -9,12 +9,15 @@ saw that version. One HEAD per file per batch, against reads of up to a slot eac
 after a batch's last byte landed answers for it too, so batches that landed together share one
 (``check``'s ``landed``).
 
-The HEADs go out on one checking thread, which also opens the storage client as the load starts
-(:meth:`ObjectVersions.open_soon`) and is the only thread that uses it: the pipeline asks for a
-batch's HEADs the moment its last byte lands (:meth:`ObjectVersions.expect`) and keeps submitting
-and collecting reads meanwhile; :meth:`ObjectVersions.check`, before the batch is delivered,
-waits only for what is still unanswered. A HEAD queued and not yet sent answers for every batch
-that landed before it goes out, so the checks never fall behind by more than one HEAD a file.
+The HEADs go out on :data:`CHECK_THREADS` checking threads, which share one storage client opened
+as the load starts (:meth:`ObjectVersions.open_soon`): the pipeline asks for a batch's HEADs the
+moment its last byte lands (:meth:`ObjectVersions.expect`) and keeps submitting and collecting
+reads until they answer (:meth:`ObjectVersions.answered`); :meth:`ObjectVersions.check`, before
+the batch is delivered, waits only for what is still unanswered. Batches of one request land
+close together, each asking for a HEAD sent after it landed: on several threads those go out
+side by side, not one round trip after another. A HEAD queued and not yet sent answers for every
+batch that landed before it goes out, so the checks never fall behind by more than a HEAD a file
+per thread.
 
 A load served from memory kept by an earlier load (``resident``) reads no object bytes: it first
 checks every shard and the index at once with one listing of the prefix (:meth:`check_all`).
@@ -25,6 +28,7 @@ Blind spot: an object replaced and then restored to the same version token betwe
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -40,7 +44,12 @@ from .plan import Batch
 if TYPE_CHECKING:
     from .open import Checkpoint
 
-__all__ = ["ObjectVersions"]
+__all__ = ["CHECK_THREADS", "ObjectVersions"]
+
+CHECK_THREADS = 4
+"""Threads sending a load's HEADs: enough for the batches that land together, those of one or two
+requests, each asking once its last byte landed (the SDK clients take concurrent calls, as the
+catalog's header reads do)."""
 
 
 class _Head:
@@ -60,15 +69,16 @@ class _Head:
 
 
 class ObjectVersions:
-    """Checks that a batch's objects are still the recorded versions, with HEADs on one checking
-    thread that opens the storage client lazily. Driven from one loading thread."""
+    """Checks that a batch's objects are still the recorded versions, with HEADs on checking
+    threads that share one storage client, opened lazily. Driven from one loading thread."""
 
     def __init__(self, uri: StorageURI, files: Sequence[ObjectInfo], settings: Settings) -> None:
         self.uri = uri
         self.checks = 0
         self._files = {f.name: f for f in files}
         self._settings = settings
-        self._storage: Storage | None = None  # made and used on the checking thread only
+        self._storage: Storage | None = None  # made and used on the checking threads only
+        self._opening = threading.Lock()  # one client, made by the first thread that needs it
         self._thread: ThreadPoolExecutor | None = None
         self._heads: dict[str, _Head] = {}  # each file's latest HEAD
 
@@ -107,13 +117,14 @@ class ObjectVersions:
 
     def _on_thread(self, work) -> Future:
         if self._thread is None:
-            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="versions")
+            self._thread = ThreadPoolExecutor(max_workers=CHECK_THREADS, thread_name_prefix="versions")
         return self._thread.submit(work)
 
     def _open(self) -> Storage:
-        if self._storage is None:
-            self._storage = open_storage(self.uri, self._settings)
-        return self._storage
+        with self._opening:
+            if self._storage is None:
+                self._storage = open_storage(self.uri, self._settings)
+            return self._storage
 
     def _send(self, name: str, head: _Head) -> ObjectInfo:
         storage = self._open()
@@ -137,6 +148,11 @@ class ObjectVersions:
         for name in batch.files:
             self._head(name, landed)
 
+    def answered(self, batch: Batch, landed: float) -> bool:
+        """Whether the HEADs that answer for ``batch`` (landed at ``landed``) have answered, so
+        that :meth:`check` would not wait; asks for any not asked for yet."""
+        return all(self._head(name, landed).answer.done() for name in batch.files)
+
     def check(self, batch: Batch, landed: float | None = None) -> None:
         """:class:`ObjectChangedError` naming the object when one of ``batch``'s files changed.
         ``landed``: ``time.monotonic()`` when the batch's last byte landed; ``None`` always asks."""
@@ -155,7 +171,7 @@ class ObjectVersions:
                 )
 
     def close(self) -> None:
-        """Drop the HEADs not sent yet (nothing will read them), wait for the one out, then close
+        """Drop the HEADs not sent yet (nothing will read them), wait for those out, then close
         the storage client."""
         if self._thread is not None:
             self._thread.shutdown(wait=True, cancel_futures=True)

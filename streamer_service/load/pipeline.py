@@ -17,9 +17,10 @@ shared-memory segments, released when every rank is done with them):
   file, the byte range and the tensors it held, and no tensor of that batch
   is delivered;
 - confirm that the objects the batch was read from are still the version the
-  plan was made from (``versions``, see ``checkpoint.versions``: its HEADs go out on a thread of
-  their own as soon as the batch's last byte landed, and the requests its landing made room for
-  go out before the check waits): otherwise the load fails
+  plan was made from (``versions``, see ``checkpoint.versions``: its HEADs go out on checking
+  threads as soon as the batch's last byte landed; until they answer, the loop goes on collecting
+  the reads of the batches behind it and submitting what their landing made room for, so a
+  HEAD's round trip holds up only its own batch): otherwise the load fails
   with ``ObjectChangedError`` and nothing of that batch is delivered;
 - hand the loaded batch over; when nothing is in flight and no buffer is free,
   ask the caller to wait for a release.
@@ -40,7 +41,12 @@ from ..readers.base import FileReads, RangeResult, Reader, ReadRange
 from ..sizing import submission_size
 from ..uri import StorageURI
 
-__all__ = ["Buffer", "Load", "LoadStats", "Pipeline", "Versions"]
+__all__ = ["CHECK_POLL_S", "Buffer", "Load", "LoadStats", "Pipeline", "Versions"]
+
+CHECK_POLL_S = 0.002
+"""While the head batch waits for its version check, the loop waits this long at a time for a
+read to land, then looks whether the check answered: a HEAD's answer is seen this much late at
+most."""
 
 
 class Versions(Protocol):
@@ -48,6 +54,9 @@ class Versions(Protocol):
 
     def expect(self, batch: Batch, landed: float) -> None:
         """The batch's last byte landed at ``landed``: start what :meth:`check` will need."""
+
+    def answered(self, batch: Batch, landed: float) -> bool:
+        """Whether :meth:`check` of the batch would find its answers in (and so not wait)."""
 
     def check(self, batch: Batch, landed: float | None) -> None:
         """Raise when an object changed; ``landed=None``: ask afresh."""
@@ -70,7 +79,7 @@ class LoadStats(Counters):
     last_landed: float | None = None  # ... of the last range that landed
     acquire_seconds: float = 0.0  # spent getting buffers (making a segment is the costly part)
     buffer_wait_seconds: float = 0.0  # nothing in flight and no buffer free: waiting for a release
-    verify_seconds: float = 0.0  # waiting for object version checks, on the loading thread (nothing submitted meanwhile)
+    verify_seconds: float = 0.0  # head batches landed and waiting for their version checks (reads collected meanwhile)
 
     @property
     def read_seconds(self) -> float:
@@ -146,7 +155,6 @@ class Pipeline:
         self._loads: deque[Load] = deque()
         self._by_submission: dict[int, list[list[Load]]] = {}  # each range's load, by file and range index
         self._unanswered: dict[int, int] = {}  # ranges of each submission not answered yet
-        self._answers: Iterator[RangeResult] | None = None
 
     def loaded(self, wait_for_buffer: Callable[[], None]) -> Iterator[Load]:
         """Each batch once loaded, in plan order. ``wait_for_buffer`` blocks until a release."""
@@ -167,6 +175,7 @@ class Pipeline:
                 raise self._failure(load)
             if self._versions is not None and load.batch.ranges:
                 checked = time.monotonic()
+                self._collect_until_answered(load)
                 self._versions.check(load.batch, load.landed)
                 self._stats.verify_seconds += time.monotonic() - checked
             yield load
@@ -234,7 +243,7 @@ class Pipeline:
 
     def _wait_for(self, load: Load) -> None:
         while not load.done:
-            result = self._next_answer()
+            result = self._reader.answer()
             if result is None:
                 return
             self._record(result)
@@ -242,20 +251,16 @@ class Pipeline:
             # batch waits for its version check and its hand-over, so storage keeps busy meanwhile.
             self._fill()
 
-    def _next_answer(self) -> RangeResult | None:
-        """The reader's next answer, from one iterator kept across batches: a request holds several
-        batches, and a reader may hand a request's answers out together (``mapped``), so the
-        answers past the head batch's must stay with the iterator. ``None``: none is owed."""
-        for fresh in (False, True):
-            if self._answers is None:
-                self._answers = iter(self._reader.responses())
-            try:
-                return next(self._answers)
-            except StopIteration:
-                self._answers = None
-                if fresh:
-                    return None
-        return None
+    def _collect_until_answered(self, load: Load) -> None:
+        """While ``load``'s version check is out, record the reads that land behind it and submit
+        what they make room for; return once the check answered or no read is owed."""
+        while not self._versions.answered(load.batch, load.landed):
+            result = self._reader.answer(CHECK_POLL_S)
+            if result is not None:
+                self._record(result)
+                self._fill()
+            elif not self._reader.outstanding:
+                return
 
     def _record(self, result: RangeResult) -> None:
         load = self._by_submission[result.submission][result.file_index][result.range_index]
