@@ -196,7 +196,9 @@ def test_the_loads_line_counts_the_time_its_version_checks_held_the_loading_thre
         checked.append(batch)
         time.sleep(0.01)  # a HEAD's round trip, at least
 
-    versions = SimpleNamespace(expect=lambda batch, landed: expected.append(batch), answered=lambda b, landed: True, check=check)
+    versions = SimpleNamespace(
+        expect=lambda batch, landed: expected.append(batch), answered=lambda b, landed, wait_s: True, check=check
+    )
     expected = []
     stats = LoadStats()
     with mapped.MappedReader() as reader:
@@ -220,7 +222,7 @@ def test_the_request_a_landed_batch_made_room_for_goes_out_before_its_version_ch
     stats = LoadStats()
     versions = SimpleNamespace(
         expect=lambda batch, landed: None,
-        answered=lambda b, landed: True,
+        answered=lambda b, landed, wait_s: True,
         check=lambda b, landed: submitted_at_check.append(stats.submissions),
     )
     with mapped.MappedReader() as reader:
@@ -245,7 +247,7 @@ def test_while_the_head_batch_waits_for_its_check_the_reads_behind_it_land_and_m
     with mapped.MappedReader() as reader:
         versions = SimpleNamespace(
             expect=lambda batch, landed: None,
-            answered=lambda batch, landed: batch is not first or not reader.outstanding,
+            answered=lambda batch, landed, wait_s: batch is not first or not reader.outstanding,
             check=lambda batch, landed: submitted_at_check.append(stats.submissions),
         )
         loads = list(Pipeline(uri, plan, reader, _new_memory, stats, versions, in_flight=16 * KIB).loaded(lambda: None))
@@ -262,7 +264,7 @@ def test_while_the_head_batch_waits_for_its_check_the_reads_behind_it_land_and_m
 def test_heads_of_batches_that_land_together_go_out_side_by_side(s3_service, monkeypatch):
     """Four objects' batches landed at once behind a store that takes 0.5 s a request: their HEADs
     go out on the checking threads together (as many connections open at once), not one after
-    another, and each check passes."""
+    another; ``answered`` waits for them as long as it is told; each check passes."""
     bucket = s3_service.new_backend()
     names = [f"f{i}" for i in range(CHECK_THREADS)]
     for name in names:
@@ -282,6 +284,8 @@ def test_heads_of_batches_that_land_together_go_out_side_by_side(s3_service, mon
         landed = time.monotonic()
         for batch in batches:
             versions.expect(batch, landed)
+        assert not versions.answered(batches[0], landed, 0.05)  # held 0.5 s: not within 50 ms
+        assert versions.answered(batches[0], landed, 30)  # waited for, and then at once
         for batch in batches:
             versions.check(batch, landed)
         assert versions.checks == len(names) and proxy.counts.requests == len(names)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING
 
 from streamer_client.errors import ObjectChangedError, ObjectNotFoundError
@@ -148,10 +148,12 @@ class ObjectVersions:
         for name in batch.files:
             self._head(name, landed)
 
-    def answered(self, batch: Batch, landed: float) -> bool:
+    def answered(self, batch: Batch, landed: float, wait_s: float = 0.0) -> bool:
         """Whether the HEADs that answer for ``batch`` (landed at ``landed``) have answered, so
-        that :meth:`check` would not wait; asks for any not asked for yet."""
-        return all(self._head(name, landed).answer.done() for name in batch.files)
+        that :meth:`check` would not wait, waiting up to ``wait_s`` for them; asks for any not
+        asked for yet."""
+        answers = [self._head(name, landed).answer for name in batch.files]
+        return not wait(answers, timeout=wait_s).not_done
 
     def check(self, batch: Batch, landed: float | None = None) -> None:
         """:class:`ObjectChangedError` naming the object when one of ``batch``'s files changed.

@@ -43,10 +43,10 @@ from ..uri import StorageURI
 
 __all__ = ["CHECK_POLL_S", "Buffer", "Load", "LoadStats", "Pipeline", "Versions"]
 
-CHECK_POLL_S = 0.002
-"""While the head batch waits for its version check, the loop waits this long at a time for a
-read to land, then looks whether the check answered: a HEAD's answer is seen this much late at
-most."""
+CHECK_POLL_S = 0.001
+"""While the head batch waits for its version check, the loop waits this long at a time for its
+answers, then as long for a read to land, and again: an answer or a read is seen this much late
+at most (a local stat answers within the first wait, so a local load never waits for a read)."""
 
 
 class Versions(Protocol):
@@ -55,8 +55,9 @@ class Versions(Protocol):
     def expect(self, batch: Batch, landed: float) -> None:
         """The batch's last byte landed at ``landed``: start what :meth:`check` will need."""
 
-    def answered(self, batch: Batch, landed: float) -> bool:
-        """Whether :meth:`check` of the batch would find its answers in (and so not wait)."""
+    def answered(self, batch: Batch, landed: float, wait_s: float) -> bool:
+        """Whether :meth:`check` of the batch would find its answers in (and so not wait),
+        waiting up to ``wait_s`` for them."""
 
     def check(self, batch: Batch, landed: float | None) -> None:
         """Raise when an object changed; ``landed=None``: ask afresh."""
@@ -254,7 +255,7 @@ class Pipeline:
     def _collect_until_answered(self, load: Load) -> None:
         """While ``load``'s version check is out, record the reads that land behind it and submit
         what they make room for; return once the check answered or no read is owed."""
-        while not self._versions.answered(load.batch, load.landed):
+        while not self._versions.answered(load.batch, load.landed, CHECK_POLL_S):
             result = self._reader.answer(CHECK_POLL_S)
             if result is not None:
                 self._record(result)
