@@ -8,6 +8,7 @@ bound. Real parts: moto on 127.0.0.1, the proxy's real sockets, Run:ai's native 
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import http.server
 import threading
@@ -265,22 +266,9 @@ def test_heads_of_batches_that_land_together_go_out_side_by_side(s3_service, mon
     """Four objects' batches landed at once behind a store that takes 0.5 s a request: their HEADs
     go out on the checking threads together (as many connections open at once), not one after
     another; ``answered`` waits for them as long as it is told; each check passes."""
-    bucket = s3_service.new_backend()
-    names = [f"f{i}" for i in range(CHECK_THREADS)]
-    for name in names:
-        bucket.put(f"m/{name}", b"bytes")
-    uri = parse_uri(bucket.uri("m"))
-    for key, value in s3_service.env_for(s3_service.emulator.endpoint).items():
-        monkeypatch.setenv(key, value)
-    storage = open_storage(uri, Settings())
-    files = [storage.stat(name) for name in names]
-    storage.close()
-    proxy = LatencyProxy.for_url(s3_service.emulator.endpoint, 0.5).start()
-    try:
-        for key, value in s3_service.env_for(proxy.endpoint).items():
-            monkeypatch.setenv(key, value)
+    with _recorded_behind_a_slow_store(s3_service, monkeypatch, CHECK_THREADS) as (uri, files, proxy):
         versions = ObjectVersions(uri, files, Settings())
-        batches = [SimpleNamespace(files=(name,)) for name in names]
+        batches = [SimpleNamespace(files=(f.name,)) for f in files]
         landed = time.monotonic()
         for batch in batches:
             versions.expect(batch, landed)
@@ -288,12 +276,9 @@ def test_heads_of_batches_that_land_together_go_out_side_by_side(s3_service, mon
         assert versions.answered(batches[0], landed, 30)  # waited for, and then at once
         for batch in batches:
             versions.check(batch, landed)
-        assert versions.checks == len(names) and proxy.counts.requests == len(names)
-        assert proxy.counts.peak_connections == len(names)
+        assert versions.checks == len(files) and proxy.counts.requests == len(files)
+        assert proxy.counts.peak_connections == len(files)
         versions.close()
-    finally:
-        proxy.close()
-        bucket.close()
 
 
 def test_the_run_ai_reader_answers_none_while_nothing_landed_within_the_wait(slow_s3):
@@ -335,38 +320,51 @@ def test_a_batch_whose_read_failed_ends_the_reads(tmp_path):
     assert stats.submissions == 1
 
 
-def test_a_failed_check_sends_none_of_the_heads_still_queued(s3_service, monkeypatch):
-    """Sixteen objects' batches landed, their HEADs queued on the checking threads behind a 0.5 s
-    store; the first object changed: its check fails the load, and closing the checks sends no
-    HEAD that nothing would read (those already out are waited for)."""
+@contextlib.contextmanager
+def _recorded_behind_a_slow_store(s3_service, monkeypatch, count, *, then=None):
+    """``count`` objects f0, f1, ... in a moto bucket, their versions recorded as a catalog records
+    them, then ``then(bucket)``; yields ``(uri, files, proxy)`` with the storage settings pointing
+    at a proxy that holds each request 0.5 s (its counts start after the recording)."""
     bucket = s3_service.new_backend()
-    names = [f"f{i}" for i in range(4 * CHECK_THREADS)]
+    names = [f"f{i}" for i in range(count)]
     for name in names:
         bucket.put(f"m/{name}", b"old")
     uri = parse_uri(bucket.uri("m"))
     for key, value in s3_service.env_for(s3_service.emulator.endpoint).items():
         monkeypatch.setenv(key, value)
     storage = open_storage(uri, Settings())
-    files = [storage.stat(name) for name in names]  # what the catalog recorded
+    files = [storage.stat(name) for name in names]
     storage.close()
-    bucket.put("m/f0", b"new bytes")
+    if then is not None:
+        then(bucket)
     proxy = LatencyProxy.for_url(s3_service.emulator.endpoint, 0.5).start()
     try:
         for key, value in s3_service.env_for(proxy.endpoint).items():
             monkeypatch.setenv(key, value)
+        yield uri, files, proxy
+    finally:
+        proxy.close()
+        bucket.close()
+
+
+def test_a_failed_check_sends_none_of_the_heads_still_queued(s3_service, monkeypatch):
+    """Sixteen objects' batches landed, their HEADs queued on the checking threads behind a 0.5 s
+    store; the first object changed: its check fails the load, and closing the checks sends no
+    HEAD that nothing would read (those already out are waited for)."""
+
+    def rewrite_f0(bucket):
+        bucket.put("m/f0", b"new bytes")
+
+    with _recorded_behind_a_slow_store(s3_service, monkeypatch, 4 * CHECK_THREADS, then=rewrite_f0) as (uri, files, proxy):
         versions = ObjectVersions(uri, files, Settings())
-        batches = [SimpleNamespace(files=(name,)) for name in names]
+        batches = [SimpleNamespace(files=(f.name,)) for f in files]
         landed = time.monotonic()
-        before = proxy.counts.requests
         for batch in batches:
             versions.expect(batch, landed)
         with pytest.raises(ObjectChangedError, match=r"/m/f0 changed while it was being loaded"):
             versions.check(batches[0], landed)
         versions.close()
-        assert 1 <= proxy.counts.requests - before < len(names)
-    finally:
-        proxy.close()
-        bucket.close()
+        assert 1 <= proxy.counts.requests < len(files)
 
 
 def test_the_nic_rate_bounds_a_loads_bytes_in_flight():
