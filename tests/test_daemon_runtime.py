@@ -300,6 +300,81 @@ def test_requests_for_handles_whose_client_gave_up_lose_nothing(sample, tmp_path
         d.stop()
 
 
+# Another process on the node, sending a rank's requests: ``next`` releasing what the rank holds,
+# then ``leave`` with an error. Prints its PID and each answer's status, error type and message.
+_NOT_THE_RANK = textwrap.dedent(
+    """
+    import json, os, sys
+    import httpx
+
+    socket_path, base, held = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    answers = []
+    with httpx.Client(transport=httpx.HTTPTransport(uds=socket_path), base_url="http://d", timeout=30) as c:
+        for path, body in ((base + "/next", {"release": held, "wait_s": 0}), (base + "/leave", {"error": "not mine"})):
+            error = c.post(path, json=body).json().get("error", {})
+            answers.append([error.get("type"), error.get("message")])
+    print(json.dumps({"pid": os.getpid(), "answers": answers}))
+    """
+)
+
+
+def test_another_process_cannot_release_or_leave_for_a_rank(sample, tmp_path):
+    """Rank 0 joins from this process and holds batches; another process sends its ``next``
+    (releasing them) and its ``leave``: each is a 409 ``SessionError`` naming both processes, the
+    session goes on, and the rank then gets every tensor byte-exact and the session ends done."""
+    import torch
+    from safetensors import safe_open
+
+    d = DaemonProcess(tmp_path, {"STREAMER_SLOT_SIZE": "1MiB", "STREAMER_RANK_TIMEOUT_S": "600"}, "--shm-budget", "4MiB")
+    d.start()
+    try:
+        with d.client() as c:
+            joined = c.post(
+                "/v1/sessions/join", json={"uri": str(sample), "session": "own", "rank": 0, "world_size": 1}, timeout=120
+            ).json()
+            base = f"/v1/sessions/{joined['session_id']}/ranks/0"
+            got = {}
+
+            def read(reply: dict) -> list[int]:  # each batch's bytes, out of its segment; its batches
+                for batch, segment, offset, nbytes, name, *_ in reply["handles"]:
+                    with open(d.shm_dir / segment, "rb") as f:
+                        f.seek(offset)
+                        got[name] = f.read(nbytes)
+                return sorted({h[0] for h in reply["handles"]})
+
+            held = read(c.post(f"{base}/next", json={"release": [], "wait_s": 10.0}, timeout=60).json())
+            assert held
+            other = subprocess.run(
+                [sys.executable, "-c", _NOT_THE_RANK, str(d.socket), base, json.dumps(held)],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert other.returncode == 0, other.stderr
+            answer = json.loads(other.stdout)
+            refused = (
+                f"rank 0 of session 'own' joined from process {os.getpid()}; this request came from process "
+                f"{answer['pid']}, and only the rank's own process may ask for its tensors, release them or leave"
+            )
+            assert answer["answers"] == [["SessionError", refused]] * 2
+            assert d.stats()["sessions"][0]["state"] == "streaming"
+            release, done = held, False
+            while not done:
+                reply = c.post(f"{base}/next", json={"release": release, "wait_s": 5.0}, timeout=60).json()
+                release, done = read(reply), reply["done"]
+            c.post(f"{base}/next", json={"release": release, "wait_s": 0})
+            assert c.post(f"{base}/leave").json() == {"left": True}
+        index = json.loads((sample / "model.safetensors.index.json").read_text())["weight_map"]
+        assert sorted(got) == sorted(index)
+        for name, shard in index.items():
+            with safe_open(sample / shard, "pt") as f:
+                assert got[name] == f.get_tensor(name).contiguous().view(-1).view(torch.uint8).numpy().tobytes(), name
+        assert d.finished()[-1]["state"] == "done"
+        assert leftovers(d, tmp_path / "cache") == ([], [])
+    finally:
+        d.stop()
+
+
 # --------------------------------------------------------------------------- SIGTERM
 
 

@@ -310,7 +310,8 @@ def create_app(settings: Settings) -> FastAPI:
         watch = asyncio.ensure_future(_on_disconnect(request, gone.set))
 
         def next_in_thread() -> tuple[list, bool]:
-            return daemon(request).session(session_id).next(rank, body.release, body.wait_s, gone)
+            session = daemon(request).session(session_id)
+            return session.next(rank, body.release, body.wait_s, gone, peer_pid=request.scope.get(PEER_PID))
 
         try:
             handles, done = await anyio.to_thread.run_sync(next_in_thread)
@@ -324,7 +325,7 @@ def create_app(settings: Settings) -> FastAPI:
             session = daemon(request).session(session_id)
         except errors.SessionError:
             return {"left": False}  # already over: leaving is idempotent
-        session.leave(rank, body.error if body is not None else None)
+        session.leave(rank, body.error if body is not None else None, peer_pid=request.scope.get(PEER_PID))
         return {"left": True}
 
     return app

@@ -66,14 +66,14 @@ class EndedSession:
     error: StreamerError | None
     done: frozenset[int] = field(default_factory=frozenset)  # ranks that received everything
 
-    def next(self, rank: int, release: Sequence[int], wait_s: float, gone: object = None):
+    def next(self, rank: int, release: Sequence[int], wait_s: float, gone: object = None, peer_pid: int | None = None):
         if self.error is not None:  # a rank asking after its session failed learns why, not just "gone"
             raise type(self.error)(self.error.message, uri=self.error.uri, key=self.error.key)
         if rank in self.done:  # e.g. a load of zero tensors, over before its ranks first asked
             return [], True
         raise SessionError(f"unknown or finished session {self.id!r}")
 
-    def leave(self, rank: int, error: str | None = None) -> None:
+    def leave(self, rank: int, error: str | None = None, peer_pid: int | None = None) -> None:
         """Leaving is idempotent."""
 
 

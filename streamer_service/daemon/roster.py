@@ -92,12 +92,21 @@ class Roster:
             f"only {len(joined)} of {self.world_size} ranks joined within {self._timeout_s:g} s (missing ranks {missing})"
         )
 
-    def member(self, rank: int, state: RankState | None) -> RankState:
-        """``rank``'s state for one of its requests: refused when it never joined or was reclaimed."""
+    def member(self, rank: int, state: RankState | None, peer_pid: int | None = None) -> RankState:
+        """``rank``'s state for one of its requests: refused when it never joined or was reclaimed,
+        or when the request's process (``peer_pid``) is not the one that joined as the rank, where
+        the daemon knows both (a unix-socket peer it can watch)."""
         if state is None:
             raise SessionError(f"rank {rank} is not part of session {self.key!r}")
         if state.status is RankStatus.RECLAIMED:
             raise self.reclaimed(rank)
+        joined = state.process.pid if state.process is not None else None
+        if joined and peer_pid and peer_pid != joined:
+            raise SessionError(
+                f"rank {rank} of session {self.key!r} joined from process {joined}; this request came from process "
+                f"{peer_pid}, and only the rank's own process may ask for its tensors, release them or leave",
+                uri=self.uri.normalized,
+            )
         return state
 
     def reclaimed(self, rank: int) -> SessionError:

@@ -329,13 +329,14 @@ class Session:
     # ------------------------------------------------------------------ rank requests
 
     def next(
-        self, rank: int, release: Sequence[int], wait_s: float, gone: threading.Event | None = None
+        self, rank: int, release: Sequence[int], wait_s: float, gone: threading.Event | None = None, peer_pid: int | None = None
     ) -> tuple[list[Handle], bool]:
         """Release ``release``; return ready handles (waiting up to ``wait_s``) and whether this rank is done.
         A newer request of the rank answers in place of one still waiting (its client gave up on
-        it), which returns none; so does one whose connection closed (``gone``)."""
+        it), which returns none; so does one whose connection closed (``gone``). ``peer_pid``: the
+        requesting process, refused unless it is the rank's (``Roster.member``)."""
         with self._cond:
-            state = self._rank(rank)
+            state = self._rank(rank, peer_pid)
             poll = state.polls = state.polls + 1  # an earlier request still waiting gives way when woken
             self._recycle_all(self._ledger.release(state, release))  # (which wakes every waiter)
             state.last_seen = self._clock()
@@ -365,11 +366,11 @@ class Session:
             state.last_seen = self._clock()
             return handles, state.to_hand_out == 0
 
-    def leave(self, rank: int, error: str | None = None) -> None:
+    def leave(self, rank: int, error: str | None = None, peer_pid: int | None = None) -> None:
         """The rank is finished, abandons the load, or failed with ``error``: release everything it
         holds. Before every rank joined, the group cannot form: its session fails, nothing is read."""
         with self._cond:
-            state = self._rank(rank)
+            state = self._rank(rank, peer_pid)
             if self.state is SessionState.JOINING:
                 return self._fail(self._roster.left_early(rank, error))
             self._recycle_all(self._ledger.leave(state, error))
@@ -414,8 +415,8 @@ class Session:
                 self._recycle_all(freed)
             self._stop_if_abandoned()
 
-    def _rank(self, rank: int) -> RankState:
-        return self._roster.member(rank, self.ranks.get(rank))
+    def _rank(self, rank: int, peer_pid: int | None = None) -> RankState:
+        return self._roster.member(rank, self.ranks.get(rank), peer_pid)
 
     def _recycle_all(self, slots: Sequence[SegmentSlot]) -> None:
         for slot in slots:
