@@ -18,7 +18,6 @@ Optional: the extension is built by ``pip install`` where a C compiler is presen
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import time
 from array import array
@@ -26,6 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from .per_process import PerProcess
+from .waits import slice_ms
 
 try:
     from . import _copier
@@ -41,7 +41,6 @@ COPY_THREADS = min(12, len(os.sched_getaffinity(0)))
 """Most copying threads of a process's pool: enough to saturate host-to-device copies on a 16-CPU
 host while leaving CPUs for the loading thread and the DMA completions (docs/benchmarks.md)."""
 CHUNK_BYTES = 2 * 1024 * 1024  # 1 MiB: the same within noise; 4 MiB: slower
-POLL_MS = 500  # waits return to the interpreter this often, so Ctrl-C is handled
 
 
 def threads_for(ranks: int, cpus: int) -> int:
@@ -103,8 +102,7 @@ def wait(ticket: int, timeout_s: float | None = None) -> int | None:
     threads write into buffers that the caller may free as the exception goes up."""
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
-        # Back in the interpreter at least every POLL_MS, so that Ctrl-C is handled.
-        while (failed := _copier.wait(pool(), ticket, _wait_ms(deadline))) is None:
+        while (failed := _copier.wait(pool(), ticket, slice_ms(deadline))) is None:
             if deadline is not None and time.monotonic() >= deadline:
                 return None
     except BaseException:
@@ -112,13 +110,6 @@ def wait(ticket: int, timeout_s: float | None = None) -> int | None:
             _copier.wait(pool(), ticket, -1)
         raise
     return failed
-
-
-def _wait_ms(deadline: float | None) -> int:
-    """One native wait's limit: :data:`POLL_MS`, or less to end at ``deadline`` (at least 1 ms)."""
-    if deadline is None:
-        return POLL_MS
-    return max(1, min(POLL_MS, math.ceil((deadline - time.monotonic()) * 1000)))
 
 
 def copy(dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int]) -> int:

@@ -46,7 +46,8 @@ __all__ = ["CHECK_POLL_S", "Buffer", "Load", "LoadStats", "Pipeline", "Versions"
 CHECK_POLL_S = 0.001
 """While the head batch waits for its version check, the loop waits this long at a time for its
 answers, then as long for a read to land, and again: an answer or a read is seen this much late
-at most (a local stat answers within the first wait, so a local load never waits for a read)."""
+at most (a local stat mostly answers within the first wait: a local head batch seldom waits for a
+read)."""
 
 
 class Versions(Protocol):

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import ctypes
 import enum
-import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from types import ModuleType
@@ -39,17 +38,13 @@ from streamer_client.errors import (
     StorageError,
     StorageUnavailableError,
 )
+from streamer_client.waits import slice_ms
 
 from ..base import FileReads, RangeResult
 from .contract import FS_STRATEGY_SYMBOL, load_native
 from .environment import ENVIRONMENT, OBJECT_STORE
 
 __all__ = ["NativeReader", "ResponseCode"]
-
-
-# runai_response blocks in native code, where Ctrl-C cannot reach it. Polling with a timeout returns
-# to Python between waits so signals are handled; a poll that times out costs nothing.
-_POLL_MS = 500
 
 
 class ResponseCode(enum.IntEnum):
@@ -226,9 +221,9 @@ class NativeReader:
         """Run:ai's next answer; ``None`` once ``time.monotonic()`` passed ``deadline``."""
         streamer = self._require_started()
         while True:
-            wait_ms = _POLL_MS if deadline is None else max(1, min(_POLL_MS, math.ceil((deadline - time.monotonic()) * 1000)))
             try:
-                raw = self._native.runai_response(streamer, wait_ms)  # 0 would wait without limit
+                # In slices: runai_response blocks in native code, where Ctrl-C cannot reach it.
+                raw = self._native.runai_response(streamer, slice_ms(deadline))
             except TimeoutError:
                 if deadline is not None and time.monotonic() >= deadline:
                     return None
