@@ -234,36 +234,59 @@ def test_readiness_says_whether_the_shm_filesystem_holds_a_loads_ring(tmp_path, 
         d.stop()
 
 
+def _one_rank_daemon(tmp_path: Path) -> DaemonProcess:
+    """A daemon whose ring of four 1 MiB slots a rank that holds its batches fills, and that
+    reclaims no silent rank while a test takes its time."""
+    d = DaemonProcess(tmp_path, {"STREAMER_SLOT_SIZE": "1MiB", "STREAMER_RANK_TIMEOUT_S": "600"}, "--shm-budget", "4MiB")
+    d.start()
+    return d
+
+
+def _join_alone(c: httpx.Client, sample: Path, session: str) -> str:
+    """Join ``sample`` as rank 0 of 1: the path prefix of the rank's requests."""
+    body = {"uri": str(sample), "session": session, "rank": 0, "world_size": 1}
+    joined = c.post("/v1/sessions/join", json=body, timeout=120).json()
+    return f"/v1/sessions/{joined['session_id']}/ranks/0"
+
+
+def _read(d: DaemonProcess, handles: list, got: dict) -> list[int]:
+    """Each handle's bytes, out of its segment (before the batch is released), into ``got``; the
+    batches they belong to."""
+    for batch, segment, offset, nbytes, name, *_ in handles:
+        with open(d.shm_dir / segment, "rb") as f:
+            f.seek(offset)
+            got[name] = f.read(nbytes)
+    return sorted({h[0] for h in handles})
+
+
+def _assert_every_tensor_and_nothing_left(d: DaemonProcess, sample: Path, got: dict, tmp_path: Path) -> None:
+    import torch
+    from safetensors import safe_open
+
+    index = json.loads((sample / "model.safetensors.index.json").read_text())["weight_map"]
+    assert sorted(got) == sorted(index)
+    for name, shard in index.items():
+        with safe_open(sample / shard, "pt") as f:
+            assert got[name] == f.get_tensor(name).contiguous().view(-1).view(torch.uint8).numpy().tobytes(), name
+    assert d.finished()[-1]["state"] == "done"
+    assert leftovers(d, tmp_path / "cache") == ([], [])
+
+
 def test_requests_for_handles_whose_client_gave_up_lose_nothing(sample, tmp_path):
     """A rank holds the whole ring, sends four long requests for more and closes their connections
     (its client timed out), then goes on on a new connection: the requests it gave up take nothing
     (the newer one answers in their place, and they see their connection closed), so the rank
     gets every tensor byte-exact, the session ends done and its segments go."""
-    import torch
-    from safetensors import safe_open
-
-    d = DaemonProcess(tmp_path, {"STREAMER_SLOT_SIZE": "1MiB", "STREAMER_RANK_TIMEOUT_S": "600"}, "--shm-budget", "4MiB")
-    d.start()
+    d = _one_rank_daemon(tmp_path)
     try:
         with d.client() as c:
-            joined = c.post(
-                "/v1/sessions/join", json={"uri": str(sample), "session": "gave-up", "rank": 0, "world_size": 1}, timeout=120
-            ).json()
-            base = f"/v1/sessions/{joined['session_id']}/ranks/0"
+            base = _join_alone(c, sample, "gave-up")
             got, held = {}, set()
-
-            def read(reply: list) -> None:  # each batch's bytes, out of its segment before it is released
-                for batch, segment, offset, nbytes, name, *_ in reply:
-                    with open(d.shm_dir / segment, "rb") as f:
-                        f.seek(offset)
-                        got[name] = f.read(nbytes)
-
             while True:  # nothing released: the ring fills and the load waits for this rank
                 reply = c.post(f"{base}/next", json={"release": [], "wait_s": 1.0 if held else 10.0}, timeout=60).json()
                 if not reply["handles"] and held:
                     break
-                read(reply["handles"])
-                held |= {h[0] for h in reply["handles"]}
+                held |= set(_read(d, reply["handles"], got))
             stats = d.stats()
             assert stats["shm_in_use"] >= stats["shm_budget"]  # the ring is full: nothing more can come
             body = json.dumps({"release": [], "wait_s": 10}).encode()
@@ -285,17 +308,10 @@ def test_requests_for_handles_whose_client_gave_up_lose_nothing(sample, tmp_path
             while not done:
                 assert time.monotonic() < deadline, f"{len(got)} of the tensors came; the rest never will"
                 reply = c.post(f"{base}/next", json={"release": release, "wait_s": 5.0}, timeout=60).json()
-                read(reply["handles"])
-                release, done = sorted({h[0] for h in reply["handles"]}), reply["done"]
+                release, done = _read(d, reply["handles"], got), reply["done"]
             c.post(f"{base}/next", json={"release": release, "wait_s": 0})
             c.post(f"{base}/leave")
-        index = json.loads((sample / "model.safetensors.index.json").read_text())["weight_map"]
-        assert sorted(got) == sorted(index)
-        for name, shard in index.items():
-            with safe_open(sample / shard, "pt") as f:
-                assert got[name] == f.get_tensor(name).contiguous().view(-1).view(torch.uint8).numpy().tobytes(), name
-        assert d.finished()[-1]["state"] == "done"
-        assert leftovers(d, tmp_path / "cache") == ([], [])
+        _assert_every_tensor_and_nothing_left(d, sample, got, tmp_path)
     finally:
         d.stop()
 
@@ -322,27 +338,12 @@ def test_another_process_cannot_release_or_leave_for_a_rank(sample, tmp_path):
     """Rank 0 joins from this process and holds batches; another process sends its ``next``
     (releasing them) and its ``leave``: each is a 409 ``SessionError`` naming both processes, the
     session goes on, and the rank then gets every tensor byte-exact and the session ends done."""
-    import torch
-    from safetensors import safe_open
-
-    d = DaemonProcess(tmp_path, {"STREAMER_SLOT_SIZE": "1MiB", "STREAMER_RANK_TIMEOUT_S": "600"}, "--shm-budget", "4MiB")
-    d.start()
+    d = _one_rank_daemon(tmp_path)
     try:
         with d.client() as c:
-            joined = c.post(
-                "/v1/sessions/join", json={"uri": str(sample), "session": "own", "rank": 0, "world_size": 1}, timeout=120
-            ).json()
-            base = f"/v1/sessions/{joined['session_id']}/ranks/0"
+            base = _join_alone(c, sample, "own")
             got = {}
-
-            def read(reply: dict) -> list[int]:  # each batch's bytes, out of its segment; its batches
-                for batch, segment, offset, nbytes, name, *_ in reply["handles"]:
-                    with open(d.shm_dir / segment, "rb") as f:
-                        f.seek(offset)
-                        got[name] = f.read(nbytes)
-                return sorted({h[0] for h in reply["handles"]})
-
-            held = read(c.post(f"{base}/next", json={"release": [], "wait_s": 10.0}, timeout=60).json())
+            held = _read(d, c.post(f"{base}/next", json={"release": [], "wait_s": 10.0}, timeout=60).json()["handles"], got)
             assert held
             other = subprocess.run(
                 [sys.executable, "-c", _NOT_THE_RANK, str(d.socket), base, json.dumps(held)],
@@ -361,16 +362,10 @@ def test_another_process_cannot_release_or_leave_for_a_rank(sample, tmp_path):
             release, done = held, False
             while not done:
                 reply = c.post(f"{base}/next", json={"release": release, "wait_s": 5.0}, timeout=60).json()
-                release, done = read(reply), reply["done"]
+                release, done = _read(d, reply["handles"], got), reply["done"]
             c.post(f"{base}/next", json={"release": release, "wait_s": 0})
             assert c.post(f"{base}/leave").json() == {"left": True}
-        index = json.loads((sample / "model.safetensors.index.json").read_text())["weight_map"]
-        assert sorted(got) == sorted(index)
-        for name, shard in index.items():
-            with safe_open(sample / shard, "pt") as f:
-                assert got[name] == f.get_tensor(name).contiguous().view(-1).view(torch.uint8).numpy().tobytes(), name
-        assert d.finished()[-1]["state"] == "done"
-        assert leftovers(d, tmp_path / "cache") == ([], [])
+        _assert_every_tensor_and_nothing_left(d, sample, got, tmp_path)
     finally:
         d.stop()
 
