@@ -19,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from checkpoints import ground_truth, tensor_bytes
 from daemon_harness import DaemonProcess, finish, finish_failed, leftovers, wait_until
 
 from streamer_service.sample import rank_selection
@@ -260,14 +261,10 @@ def _read(d: DaemonProcess, handles: list, got: dict) -> list[int]:
 
 
 def _assert_every_tensor_and_nothing_left(d: DaemonProcess, sample: Path, got: dict, tmp_path: Path) -> None:
-    import torch
-    from safetensors import safe_open
-
-    index = json.loads((sample / "model.safetensors.index.json").read_text())["weight_map"]
-    assert sorted(got) == sorted(index)
-    for name, shard in index.items():
-        with safe_open(sample / shard, "pt") as f:
-            assert got[name] == f.get_tensor(name).contiguous().view(-1).view(torch.uint8).numpy().tobytes(), name
+    truth = ground_truth(sample)
+    assert sorted(got) == sorted(truth)
+    for name, tensor in truth.items():
+        assert got[name] == tensor_bytes(tensor), name
     assert d.finished()[-1]["state"] == "done"
     assert leftovers(d, tmp_path / "cache") == ([], [])
 
