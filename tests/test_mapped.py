@@ -134,7 +134,7 @@ def test_a_file_cut_short_under_its_mapping_fails_that_range_and_the_process_goe
     reads = (ReadRange(0, 2 * MIB, dst.ctypes.data), ReadRange(4 * MIB, 4 * MIB, dst.ctypes.data + 4 * MIB))
     with MappedReader(maps=maps) as reader:
         reader.submit([FileReads(str(path), reads)], keepalive=dst)
-        results = list(reader.responses())
+        results = list(iter(reader.answer, None))
     assert [r.error is None for r in results] == [True, False]
     error = results[1].error
     assert type(error) is ObjectChangedError and error.uri == str(path)
@@ -164,7 +164,7 @@ def test_a_range_past_the_end_of_the_file_is_refused_without_a_copy(tmp_path):
     dst = np.zeros(2 * MIB, dtype=np.uint8)
     with MappedReader(maps=FileMaps()) as reader:
         reader.submit([FileReads(str(path), (ReadRange(MIB // 2, MIB, dst.ctypes.data),))], keepalive=dst)
-        (result,) = reader.responses()
+        (result,) = iter(reader.answer, None)
     assert type(result.error) is ObjectChangedError
     assert str(result.error) == (
         f"{path}: bytes [{MIB // 2}, {MIB + MIB // 2}): End of file: the file has {MIB} bytes, fewer than the checkpoint's header says"
@@ -177,7 +177,7 @@ def test_a_missing_file_is_a_storage_error_naming_it(tmp_path):
     dst = np.zeros(4096, dtype=np.uint8)
     with MappedReader(maps=FileMaps()) as reader:
         reader.submit([FileReads(str(path), (ReadRange(0, 4096, dst.ctypes.data),))], keepalive=dst)
-        (result,) = reader.responses()
+        (result,) = iter(reader.answer, None)
     assert type(result.error) is StorageError and result.error.uri == str(path)
     assert str(result.error) == f"{path}: bytes [0, 4096): cannot open or map: No such file or directory"
 

@@ -128,7 +128,7 @@ path, size = sys.argv[1], int(sys.argv[2])
 buf = mmap.mmap(-1, size)
 with NativeReader(fs_strategy="sync_buffered") as reader:
     reader.submit([FileReads(path, (ReadRange(0, size, ctypes.addressof(ctypes.c_char.from_buffer(buf))),))], buf)
-    (result,) = reader.responses()
+    (result,) = iter(reader.answer, None)
 loaded = sorted(m for m in sys.modules if m in ("torch", "boto3") or m.startswith("runai_model_streamer"))
 ok = result.error is None and buf[:] == open(path, "rb").read()
 # Run:ai's own package is still whole for whoever imports it next (vLLM's Run:ai loader does).
@@ -179,7 +179,7 @@ def test_ranges_land_byte_exact_in_our_buffer(data_file, tmp_path, strategy):
     files = [FileReads(p, tuple(ReadRange(o, n, base + d) for o, n, d in rs)) for p, rs in plan.items()]
     with NativeReader(fs_strategy=strategy) as reader:
         submission = reader.submit(files, keepalive=buf)
-        results = list(reader.responses())
+        results = list(iter(reader.answer, None))
     assert len(results) == 5 and {r.submission for r in results} == {submission}
     assert all(r.error is None for r in results)
     assert sum(r.submission_done for r in results) == 1
@@ -198,7 +198,7 @@ def test_several_submissions_in_flight_are_demultiplexed(data_file):
             for i, b in enumerate(buffers)
         ]
         assert reader.outstanding == 3
-        seen = {r.submission: r for r in reader.responses()}
+        seen = {r.submission: r for r in iter(reader.answer, None)}
         assert reader.outstanding == 0
     assert set(seen) == set(ids)
     for i, b in enumerate(buffers):
@@ -210,7 +210,7 @@ def test_missing_file_is_a_storage_error_naming_path_and_range(tmp_path):
     missing = str(tmp_path / "gone.safetensors")
     with NativeReader() as reader:
         reader.submit([FileReads(missing, (ReadRange(8, 100, buf.ctypes.data),))], keepalive=buf)
-        (result,) = reader.responses()
+        (result,) = iter(reader.answer, None)
     assert type(result.error) is StorageError
     assert missing in str(result.error) and "[8, 108)" in str(result.error)
     assert result.error.uri == missing
@@ -221,7 +221,7 @@ def test_read_past_end_is_an_object_changed_error(data_file):
     buf = _buffer(8192)
     with NativeReader() as reader:
         reader.submit([FileReads(str(path), (ReadRange(len(data) - 10, 100, buf.ctypes.data),))], keepalive=buf)
-        (result,) = reader.responses()
+        (result,) = iter(reader.answer, None)
     assert isinstance(result.error, ObjectChangedError)
     assert f"[{len(data) - 10}, {len(data) + 90})" in str(result.error)
 
@@ -236,7 +236,7 @@ def test_buffers_are_released_once_every_range_answered(data_file):
         del holder
         gc.collect()
         assert alive() is not None, "the reader must hold the destination while the read is in flight"
-        list(reader.responses())
+        list(iter(reader.answer, None))
         gc.collect()
         assert alive() is None
 
@@ -271,7 +271,7 @@ def test_unknown_error_aborts_and_keeps_buffers_until_end(data_file):
     reader.submit([FileReads(str(path), ranges)], keepalive=holder)
     del holder
     with pytest.raises(StorageError, match=r"Unknown Error.*aborting"):
-        list(reader.responses())
+        list(iter(reader.answer, None))
     with pytest.raises(StorageError, match="aborted"):
         reader.submit([FileReads(str(path), ranges)], keepalive=buf)
     gc.collect()
@@ -325,7 +325,7 @@ def test_operator_fs_strategy_wins(monkeypatch, data_file):
     buf = _buffer(4096)
     with open_reader(uri, NativeReader) as reader:
         reader.submit([FileReads(str(path), (ReadRange(0, 4096, buf.ctypes.data),))], keepalive=buf)
-        (result,) = reader.responses()
+        (result,) = iter(reader.answer, None)
     assert result.error is None and buf.tobytes() == data[:4096]
 
 

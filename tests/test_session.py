@@ -34,7 +34,7 @@ SLOT = 512 * 1024
 
 
 class FakeReader:
-    """Reads local files into the destinations when asked for responses; logs every submission."""
+    """Reads local files into the destinations when asked for answers; logs every submission."""
 
     submitted: list[int]  # bytes of each submission, shared by every reader of one test
 
@@ -70,10 +70,6 @@ class FakeReader:
             data = f.read(r.nbytes)
         ctypes.memmove(r.dst, data, r.nbytes)
         return RangeResult(submission, fi, ri, path, r, last, None)
-
-    def responses(self):
-        while (result := self.answer()) is not None:
-            yield result
 
 
 @pytest.fixture(scope="module")

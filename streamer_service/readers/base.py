@@ -13,15 +13,15 @@ The contract, for every implementation:
   reader closed after a fatal error);
 - ``answer`` returns one :class:`RangeResult` per range, the next one to come, or ``None`` when
   none is owed or none came within its ``wait_s`` (so that a caller can do other work meanwhile
-  and ask again); ``responses`` yields them until none is owed. A storage error is reported in
-  :attr:`RangeResult.error` (the caller decides), a fatal one raises ``StorageError`` and aborts
-  the reader;
+  and ask again; ``iter(reader.answer, None)`` is every answer still owed). A storage error is
+  reported in :attr:`RangeResult.error` (the caller decides), a fatal one raises ``StorageError``
+  and aborts the reader;
 - one thread drives a reader; ``close`` waits for every read still landing before releasing buffers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -91,8 +91,6 @@ class Reader(Protocol):
     def answer(self, wait_s: float | None = None) -> RangeResult | None:
         """The next range's answer; ``None`` when none is owed or none came within ``wait_s`` s."""
         ...
-
-    def responses(self) -> Iterator[RangeResult]: ...
 
 
 class ReaderFactory(Protocol):

@@ -45,7 +45,7 @@ import threading
 import time
 from array import array
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -316,11 +316,6 @@ class MappedReader:
                     RangeResult(submission.id, fi, ri, file.path, file.ranges[ri], n == len(answers) - 1, errors.get((fi, ri)))
                 )
         return self._ready.popleft()
-
-    def responses(self) -> Iterator[RangeResult]:
-        """Every range's answer, a submission at a time, in submission order."""
-        while (result := self.answer()) is not None:
-            yield result
 
     def __repr__(self) -> str:
         return f"MappedReader({'open' if self._started else 'closed'}, {len(self._live)} submissions)"

@@ -28,7 +28,7 @@ from __future__ import annotations
 import ctypes
 import enum
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
@@ -211,11 +211,6 @@ class NativeReader:
             return None
         raw = self._next_raw(None if wait_s is None else time.monotonic() + wait_s)
         return None if raw is None else self._resolve(*raw)
-
-    def responses(self) -> Iterator[RangeResult]:
-        """Answers as ranges complete, in completion order, until none is owed (:meth:`answer`)."""
-        while (result := self.answer()) is not None:
-            yield result
 
     def _next_raw(self, deadline: float | None) -> tuple[int, int, int, int, bool] | None:
         """Run:ai's next answer; ``None`` once ``time.monotonic()`` passed ``deadline``."""
