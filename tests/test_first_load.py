@@ -191,6 +191,48 @@ def test_a_ring_that_grows_makes_its_next_slots_off_the_loads_thread_within_the_
     assert pool.budget.in_use == sum(1 for _ in node.shm.iterdir()) * SLOT  # idle ones, all accounted
 
 
+def test_a_growing_ring_goes_on_with_released_slots_while_its_next_segments_are_being_made(node):
+    """The budget lets the ring grow, but the store's threads are held before they make anything:
+    the load's thread makes its first slot and then goes on with the slots the rank releases,
+    instead of waiting for a zero-fill while a release can come; every tensor is byte-exact."""
+    pool = node.pool(6 * SLOT)
+    node.store.gate.clear()  # the maker threads wait at the gate
+    # A load that waits for the makers instead ends only once the gate opens, and fails below.
+    opener = threading.Timer(30, node.store.gate.set)
+    opener.start()
+    try:
+        _load(node, pool)
+        on_the_loads_thread = [name for name in node.store.made_by if not name.startswith("segment-maker")]
+        oversized = sum(b.kind is BatchKind.OVERSIZED for b in _loaded_batches(node))
+        assert len(on_the_loads_thread) == 1 + oversized  # the first slot, and each oversized tensor's own
+        assert len(node.store.made_by) == len(on_the_loads_thread)  # the makers made nothing meanwhile
+    finally:
+        opener.cancel()
+        node.store.gate.set()
+    _prepared(pool)  # what the makers were asked for comes, and stays idle
+    assert pool.idle >= 1 and pool.budget.in_use <= pool.budget.limit
+
+
+def test_the_pool_calls_its_watchers_once_a_segment_is_made_ahead_and_idle(node):
+    pool = node.pool(4 * SLOT)
+    found: list = []
+
+    def watcher() -> None:
+        found.append(pool.take_made(SLOT))  # the segment is idle by the time the watcher runs
+
+    pool.watch(watcher)
+    pool.start_preparing(SLOT, 2)
+    _prepared(pool)
+    assert len(found) == 2 and None not in found and pool.idle == 0
+    assert pool.take_made(SLOT) is None  # nothing idle left, nothing made here
+    pool.unwatch(watcher)
+    pool.start_preparing(SLOT, 1)
+    _prepared(pool)
+    assert len(found) == 2 and pool.idle == 1
+    for segment, reservation in found:
+        pool.give(segment, reservation, keep=False, now=0.0)
+
+
 def test_no_segment_is_made_ahead_when_none_may_stay_idle(node):
     pool = node.pool(6 * SLOT, idle_s=0)
     _load(node, pool)

@@ -12,6 +12,7 @@ import functools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 
 from streamer_client.errors import ConfigError
@@ -36,7 +37,8 @@ class SegmentPool:
     of the first load, in parallel and off any load's thread, so that the first load finds them
     as a later load finds the last one's. They wait for that first load however late it comes;
     from its first request on, they are idle segments like any other. A ring that grows past
-    them asks for its next slots the same way (:meth:`make_ahead`).
+    them asks for its next slots the same way (:meth:`make_ahead`), and takes them as they come
+    (:meth:`take_made`; :meth:`watch` calls back each time one is made).
 
     The standing ring (``standing=True`` when preparing): as many idle segments of that size as
     were prepared are never trimmed, so a load that comes after a long idle spell starts on
@@ -61,6 +63,7 @@ class SegmentPool:
         self._making_stopped = False  # the daemon stops: nothing more is made ahead of need
         self._first_taken = False
         self._standing: tuple[int, int] = (0, 0)  # (segment bytes, count) never trimmed
+        self._watchers: list[Callable[[], None]] = []  # called each time a segment was made ahead
         self._lock = threading.Condition()
 
     def start_preparing(self, nbytes: int, count: int, *, standing: bool = False) -> None:
@@ -90,10 +93,17 @@ class SegmentPool:
                 raise
             future.add_done_callback(functools.partial(self._made, reservation=reservation))
 
+    @property
+    def makes_ahead(self) -> bool:
+        """Whether :meth:`make_ahead` makes anything: not while no idle segment may be kept (each
+        is made when a load needs it), nor once the daemon stops."""
+        with self._lock:
+            return self.idle_s > 0 and not self._making_stopped
+
     def make_ahead(self, nbytes: int, wanted: int) -> None:
-        """Segments of ``nbytes`` idle or on their way: at least ``wanted`` (a ring that grew makes
-        its next slots off the load's thread, so growing again does not wait for a zero-fill)."""
-        if self.idle_s <= 0:  # no idle segments wanted: each is made when a load needs it
+        """Segments of ``nbytes`` idle or on their way: at least ``wanted`` (a ring that grows has
+        its next slots made off the load's thread, which meanwhile waits for a release or for them)."""
+        if not self.makes_ahead:
             return
         nbytes = self.store.pages.round(nbytes)
         have = self.available(nbytes)
@@ -114,10 +124,22 @@ class SegmentPool:
                 self.prepared += 1
                 segment = reservation = None
             self._lock.notify_all()
+            watchers = list(self._watchers)
         if segment is not None:
             segment.close()
         if reservation is not None:
             self.budget.give_back(reservation)
+        for watcher in watchers:  # outside the lock: a watcher takes its session's
+            watcher()
+
+    def watch(self, callback: Callable[[], None]) -> None:
+        """Call ``callback()`` (on a maker thread, no lock held) each time a segment was made ahead."""
+        with self._lock:
+            self._watchers.append(callback)
+
+    def unwatch(self, callback: Callable[[], None]) -> None:
+        with self._lock:
+            self._watchers.remove(callback)
 
     def take(self, nbytes: int, *, oversized: bool = False) -> tuple[Segment, Reservation] | None:
         """A segment of ``nbytes`` (in whole huge pages where the dir has them): an idle one, or a
@@ -145,6 +167,13 @@ class SegmentPool:
         except BaseException:
             self.budget.give_back(reservation)
             raise
+
+    def take_made(self, nbytes: int) -> tuple[Segment, Reservation] | None:
+        """An idle segment of ``nbytes`` if there is one now: neither waits for one on its way nor
+        makes one."""
+        nbytes = self.store.pages.round(nbytes)
+        with self._lock:
+            return self._take_idle(nbytes, wait=False)
 
     def adopt(self, nbytes: int, count: int, *, wait: bool = True) -> list[Segment]:
         """Up to ``count`` idle segments of ``nbytes`` (``wait``: also those on their way, as they

@@ -243,9 +243,9 @@ class Session:
                     self._ledger.finish()
                     self._end(SessionState.DONE)
             log.info(
-                "session %s (%s, %d ranks): %d bytes read from storage, %d served from memory, in %.2f s; %s; %d version checks",
+                "session %s (%s, %d ranks): %d bytes read from storage, %d served from memory, in %.2f s; %s; %d version checks; a ring of %d slots",
                 self.key, self.checkpoint.uri, len(self.ranks), self.stats.bytes_read, self.resident_bytes,
-                self._clock() - started, self.stats.describe(began), self._versions.checks if self._versions is not None else 0,
+                self._clock() - started, self.stats.describe(began), self._versions.checks if self._versions else 0, self._buffers.ring_slots,
             )  # fmt: skip
         except _Cancelled:
             with self._cond:

@@ -9,7 +9,10 @@ and when (its state machine). Two kinds of segment:
   left) plus one oversized tensor's (``ring``), paid
   from the node's shm budget (``segment_pool.SegmentPool``) and given back to the pool when the session
   ends, where the next session of any checkpoint can reuse them. Once the ring grows past the
-  pool's idle segments, its next ``RING_AHEAD`` are made on the store's maker threads.
+  pool's idle segments, its next ``RING_AHEAD`` are made on the store's maker threads, and the
+  load's thread makes none itself while a release may come: it takes whichever comes first, a
+  slot the ranks released or a segment made (where the ranks are slower than the reads, growing
+  the ring on the load's thread only delays the reads behind it).
 - **Kept segments** (a retention budget with room for the load): one segment per batch, paid by
   a claim on the resident store; once loaded, the resident copy owns it and serves later loads
   from it (``resident``). The first slot batches take the pool's idle segments of the slot size
@@ -23,7 +26,7 @@ and when (its state machine). Two kinds of segment:
   start.
 
 Locking: ``lock`` is the session's condition; every method that changes the segment list takes
-it. :meth:`acquire` zero-fills a new segment outside it (``Ring.take``).
+it. :meth:`acquire` takes or makes a new segment outside it (``Ring.take``).
 """
 
 from __future__ import annotations
@@ -106,6 +109,7 @@ class SessionBuffers:
         # its way when the load was planned, taken when the pipeline asks for it).
         self._adopting: deque[tuple[Batch, Segment | None]] = deque()
         self._adopted = False  # the pool gave segments: it makes its standing ring again at the end
+        self._watching = False  # the pool wakes this session when it made a segment (:meth:`_grow`)
 
     # ------------------------------------------------------------------ the resident copy
 
@@ -178,6 +182,11 @@ class SessionBuffers:
         nbytes = batch.buffer_bytes if oversized else self._slot_size
         return self._ring.take(functools.partial(self._new_slot, nbytes, oversized), oversized=oversized)
 
+    @property
+    def ring_slots(self) -> int:
+        """Ring slots this session has (in use or free; none once released)."""
+        return self._ring.made
+
     def _kept_segment(self, batch: Batch) -> Segment:
         if self._adopting and self._adopting[0][0] is batch:
             segment = self._adopting.popleft()[1]
@@ -205,12 +214,35 @@ class SessionBuffers:
             self._ahead.append((batch, self._pool.store.create_soon(batch.buffer_bytes)))
 
     def _new_slot(self, nbytes: int, oversized: bool) -> SegmentSlot | None:
-        got = self._pool.take(nbytes, oversized=oversized)
-        if got is None:  # other sessions hold the node's budget: wait for a release
+        if not oversized and self._ring.made and self._pool.makes_ahead:
+            got = self._grow(nbytes)
+        else:
+            got = self._pool.take(nbytes, oversized=oversized)
+            if got is not None and not oversized:  # the ring's next slots are made off this thread meanwhile
+                self._pool.make_ahead(nbytes, min(RING_AHEAD, self._ring.room))
+        if got is None:  # wait for a release (or for a segment on its way)
             return None
-        if not oversized:  # the ring grew: its next slots are made off this thread meanwhile
-            self._pool.make_ahead(nbytes, min(RING_AHEAD, self._ring.room))
         return self._add(SegmentSlot(got[0], got[1], oversized))
+
+    def _grow(self, nbytes: int) -> tuple[Segment, Reservation] | None:
+        """A segment for the ring to grow by, never zero-filled on the load's thread while a release
+        may come (every slot the ring has is in flight or held by ranks): one made already, else
+        ``None`` while the store's threads make it, and the load takes whichever comes first, a
+        released slot or the new segment (the pool wakes the session: :meth:`_wake`)."""
+        if not self._watching:
+            self._pool.watch(self._wake)
+            self._watching = True
+        got = self._pool.take_made(nbytes)
+        self._pool.make_ahead(nbytes, min(RING_AHEAD, self._ring.room + (got is None)))
+        if got is None and not self._pool.available(nbytes):
+            # Nothing could be made ahead (the budget is held by idle segments of other sizes, which
+            # only a take evicts, or no maker could start): the load's thread makes it after all.
+            got = self._pool.take(nbytes)
+        return got
+
+    def _wake(self) -> None:
+        with self._lock:
+            self._lock.notify_all()
 
     def _add(self, slot: SegmentSlot) -> SegmentSlot:
         with self._lock:
@@ -239,6 +271,9 @@ class SessionBuffers:
 
     def release(self) -> None:
         """The session ended: ring segments go back to the pool, the claim is settled."""
+        if self._watching:
+            self._pool.unwatch(self._wake)
+            self._watching = False
         with self._lock:
             slots, self._slots = self._slots, []
             self._ring.drain()

@@ -176,10 +176,11 @@ class Pipeline:
                     self._versions.check(load.batch, None)  # None: a fresh HEAD
                 raise self._failure(load)
             if self._versions is not None and load.batch.ranges:
-                checked = time.monotonic()
+                checked, acquiring = time.monotonic(), self._stats.acquire_seconds
                 self._collect_until_answered(load)
                 self._versions.check(load.batch, load.landed)
-                self._stats.verify_seconds += time.monotonic() - checked
+                # Buffers taken meanwhile count as getting buffers, not as checking.
+                self._stats.verify_seconds += time.monotonic() - checked - (self._stats.acquire_seconds - acquiring)
             yield load
 
     def _fill(self) -> None:
