@@ -511,7 +511,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--thp-dir", type=Path, help="a tmpfs mounted huge=always: the huge-page rows")
     parser.add_argument("--rows", default="", help="only rows whose name starts with one of these (separated by ;)")
     parser.add_argument("--profile", action="store_true", help="also one profiled process per row of ours")
-    parser.add_argument("--out", type=Path, help="a directory for the profiles and the JSON")
+    parser.add_argument("--out", type=Path, help="a directory for the profiles, the JSON and the daemons' logs")
     parser.add_argument("--json", type=Path, help="every measurement as JSON")
     parser.add_argument("--device", default="cuda:0", help="cpu: a dry run of the orchestration (rows of ours and Run:ai)")
     parser.add_argument("--baseline", type=Path, help="another checkout: each row of ours also runs on its code, same rounds")
@@ -650,8 +650,10 @@ def orchestrate(args) -> None:
             args.json.write_text(json.dumps({"machine": machine(dirs), "checkpoint_bytes": total, "rows": summary,
                                              "profiles": profiles, "raw": {r.name: r.loads for r in rows}}, indent=1))  # fmt: skip
     finally:
-        for daemon in daemons.values():
+        for name, daemon in daemons.items():
             daemon.close()
+            if args.out and daemon.log.exists():  # each load's line: where its time went
+                shutil.copy(daemon.log, args.out / f"daemon-{name}.log")
         shutil.rmtree(shm, ignore_errors=True)
         if thp:
             shutil.rmtree(thp, ignore_errors=True)
