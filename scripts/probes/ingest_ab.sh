@@ -15,9 +15,11 @@ W=${WORK:-/tmp/iw}
 for round in $(seq 1 "${2:-2}"); do
     for tree in "$baseline" .; do
         name=$([ "$tree" = . ] && echo this-tree || echo baseline)
-        PYTHONPATH=$PWD/$tree:$PWD/$tree/client:/tmp/site timeout 150 python3 -m streamer_service bench --source seaweed \
+        # From the tree's own root: `python -m` puts the working directory first on sys.path, ahead
+        # of PYTHONPATH, and the bench's daemon and ranks inherit it.
+        (cd "$tree" && PYTHONPATH=$PWD:$PWD/client:/tmp/site timeout 150 python3 -m streamer_service bench --source seaweed \
             --size "${SIZE:-4GiB}" --shm-budget 8GiB --work-dir "$W" --ranks 1 --scenarios replicated,disjoint --modes A,B \
-            --reps 2 --warmup 0 > "/tmp/ab-$name-$round.txt" 2>&1
+            --reps 2 --warmup 0) > "/tmp/ab-$name-$round.txt" 2>&1
         echo "== round $round $name"
         grep -E "^\| seaweed \|" "/tmp/ab-$name-$round.txt"
         grep -ho "in [0-9.]* s; .*" "$W/daemon-seaweed/daemon.log" | sed 's/first submission.*first bytes/first bytes/'
