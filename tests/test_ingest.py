@@ -210,6 +210,37 @@ def test_the_loads_line_counts_the_time_its_version_checks_held_the_loading_thre
     assert stats.describe(time.monotonic()).endswith(f"{stats.verify_seconds:.3f} s checking versions")
 
 
+@pytest.mark.skipif(not mapped.available(), reason="the native copier is not built")
+def test_buffers_taken_while_a_check_is_out_count_as_getting_buffers_not_as_checking(tmp_path):
+    """The first batch's HEAD is answered only once the third batch got its buffer, which takes
+    0.2 s (a segment being made): those 0.2 s are the line's getting buffers, and not also its
+    checking versions."""
+    src = tmp_path / "ckpt"
+    make_sharded_checkpoint(src, {f"w{i}": torch.full((64, 64), float(i)) for i in range(4)}, n_shards=1)
+    uri = parse_uri(str(src))
+    plan = build_plan(list(build_catalog(open_storage(uri, Settings())).tensors), 16 * KIB)
+    first, _, third, _ = [b for b in plan.batches if b.ranges]
+    made = threading.Event()
+
+    def acquire(batch):
+        if batch is third:  # asked for while the first batch's check is out
+            time.sleep(0.2)
+            made.set()
+        return _new_memory(batch)
+
+    versions = SimpleNamespace(
+        expect=lambda batch, landed: None,
+        answered=lambda batch, landed, wait_s: batch is not first or made.is_set(),
+        check=lambda batch, landed: None,
+    )
+    stats = LoadStats()
+    with mapped.MappedReader() as reader:
+        loads = list(Pipeline(uri, plan, reader, acquire, stats, versions, in_flight=16 * KIB).loaded(lambda: None))
+    assert len(loads) == 4 and made.is_set()
+    assert stats.acquire_seconds >= 0.2
+    assert stats.verify_seconds < 0.2  # the loop's own polls, not the buffer's 0.2 s again
+
+
 def test_the_request_a_landed_batch_made_room_for_goes_out_before_its_version_check(tmp_path):
     """One batch's bytes in flight: the next batch is submitted as soon as the head lands, so the
     read goes on while the head waits for its HEAD's answer (and its hand-over)."""

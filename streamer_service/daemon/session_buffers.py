@@ -235,8 +235,8 @@ class SessionBuffers:
         got = self._pool.take_made(nbytes)
         self._pool.make_ahead(nbytes, min(RING_AHEAD, self._ring.room + (got is None)))
         if got is None and not self._pool.available(nbytes):
-            # Nothing could be made ahead (the budget is held by idle segments of other sizes, which
-            # only a take evicts, or no maker could start): the load's thread makes it after all.
+            # Nothing is on its way (the budget is held by idle segments of other sizes, which only a
+            # take evicts, or by other sessions): the load's thread takes one itself, as a first slot.
             got = self._pool.take(nbytes)
         return got
 
