@@ -10,9 +10,11 @@ backpressure; nothing is ever fetched twice.
 
 Which rank holds which batch is the rank ledger's (``ledger``); which segment a batch lands in — a
 ring slot from the node's pool or a segment kept resident — is the session buffers'
-(``session_buffers``); reading is the pipeline's, through a reader built by ``reader_factory``
-(``readers.choice.reader_for`` the URI; tests pass a fake one and drive a session in-process). This
-module is the state machine that ties them together, and the ranks' requests.
+(``session_buffers``); what the loading thread hands the ranks — resident tensors, then the rest
+streamed by the pipeline through a reader built by ``reader_factory`` (``readers.choice.reader_for``
+the URI; tests pass a fake one and drive a session in-process), each batch published as it lands —
+is the feed's (``session_feed``). This module is the state machine that ties them together: the
+joins, the loading thread's start and end, and the ranks' requests.
 
 A rank whose process is gone, or that is silent for ``rank_timeout_s``, is reclaimed (its leases
 released); the others finish. A load no rank reads any more (all left or reclaimed) stops reading,
@@ -37,19 +39,18 @@ from streamer_client.protocol import Handle
 
 from ..checkpoint.catalog import TensorInfo
 from ..checkpoint.open import Checkpoint
-from ..checkpoint.plan import Batch, BatchKind, build_plan
 from ..checkpoint.versions import ObjectVersions
-from ..load.pipeline import Load, LoadStats, Pipeline
+from ..load.pipeline import LoadStats
 from ..readers.base import ReaderFactory
-from ..readers.choice import open_reader, reader_for
+from ..readers.choice import reader_for
 from .ledger import RankLedger, RankState, RankStatus
 from .metrics import LoadTimes
 from .process import ProcessWatch
 from .resident import ResidentStore
 from .roster import Roster
 from .segment_pool import SegmentPool
-from .session_buffers import SegmentSlot, SessionBuffers, handle
-from .shm import Segment
+from .session_buffers import SegmentSlot, SessionBuffers
+from .session_feed import Cancelled, SessionFeed
 from .stats import SessionSummary
 
 __all__ = ["Session", "SessionState"]
@@ -64,10 +65,6 @@ class SessionState(enum.Enum):
     STREAMING = "streaming"
     DONE = "done"
     FAILED = "failed"
-
-
-class _Cancelled(Exception):
-    """No rank is left to read the load, or the daemon stops: stop streaming."""
 
 
 class Session:
@@ -100,19 +97,21 @@ class Session:
         self.stats = LoadStats()
         self.times = LoadTimes()  # for the load-duration and first-tensor histograms
         self.rejoin = rejoin  # (group key, rank): a session for one rank coming back to its group's load after dying
-        self.resident_bytes = 0  # handed out from memory kept by earlier loads
         self._slot_size = slot_size
-        self._in_flight = in_flight  # bytes submitted to storage and not yet landed, at most
         only = rejoin[1] if rejoin is not None else None
         self._roster = Roster(key, checkpoint.uri, world_size, only=only, join_timeout_s=join_timeout_s, now=clock())
         self._on_end = on_end
-        self._storage_environment = storage_environment  # Run:ai's retry/timeout variables
         self._versions = versions  # checks each loaded batch's objects before publishing it
-        self._reader_factory = reader_factory or reader_for(checkpoint.uri)
         self._clock = clock
         self._cond = threading.Condition()
         self._buffers = SessionBuffers(pool, slot_size, resident, lock=self._cond, clock=clock)
         self._cancelled = False
+        self._feed = SessionFeed(
+            key, checkpoint, slot_size=slot_size, buffers=self._buffers, ledger=self._ledger, lock=self._cond,
+            cancelled=lambda: self._cancelled, times=self.times, stats=self.stats, versions=versions,
+            reader_factory=reader_factory or reader_for(checkpoint.uri), storage_environment=storage_environment,
+            in_flight=in_flight,
+        )  # fmt: skip
         self._told: set[int] = set()  # ranks that were answered the error of a cancelled load
         self._tell_until = 0.0  # a cancelled load keeps its segments until then for ranks not told yet
         self.load_complete = False  # every batch was loaded and published
@@ -220,21 +219,12 @@ class Session:
         try:
             if self._versions is not None:
                 self._versions.open_soon()  # the first batch's check then finds the client made
-            missing = self._serve_resident(wanted)
-            plan = build_plan(missing, self._slot_size)
-            self._buffers.prepare(plan, self.key)
-            if plan.batches:
-                with open_reader(self.checkpoint.uri, self._reader_factory, self._storage_environment) as reader:
-                    pipeline = Pipeline(
-                        self.checkpoint.uri, plan, reader, self._acquire, self.stats, self._versions, in_flight=self._in_flight
-                    )
-                    for load in pipeline.loaded(self._wait_for_release):
-                        self._publish(load)
+            self._feed.run(wanted)
             with self._cond:
                 self.load_complete = True
                 while not self._ledger.all_finished():
                     if self._cancelled:
-                        raise _Cancelled
+                        raise Cancelled
                     self._cond.wait(0.5)
                 failed = [r for r in self.ranks.values() if r.status is RankStatus.FAILED]
                 if failed:  # a rank that could not use what it was handed did not receive it
@@ -247,7 +237,7 @@ class Session:
                 self.key, self.checkpoint.uri, len(self.ranks), self.stats.bytes_read, self.resident_bytes,
                 self._clock() - started, self.stats.describe(began), self._versions.checks if self._versions else 0, self._buffers.ring_slots,
             )  # fmt: skip
-        except _Cancelled:
+        except Cancelled:
             with self._cond:
                 # Ranks still reading are answered the error before the segments they were handed go.
                 while any(r.rank not in self._told for r in self._ledger.active()) and self._clock() < self._tell_until:
@@ -274,57 +264,6 @@ class Session:
                 self._ledger.clear()
             self._buffers.release()
             self._on_end(self)
-
-    def _serve_resident(self, wanted: list[TensorInfo]) -> list[TensorInfo]:
-        """Hand out the tensors an earlier load left in memory; return those still to stream."""
-        # One batch per resident segment, numbered after the plan's (0..n-1).
-        batches = self._buffers.resident_batches(self.checkpoint.uri.normalized, self.checkpoint.generation, wanted, 1 << 32)
-        if not batches:
-            return wanted
-        if self._versions is not None:
-            self._versions.check_all()  # one listing: the copy is still what storage holds
-        with self._cond:
-            for handles in batches:
-                # Leased like a ring slot (ranks release it), but the resident copy owns the memory.
-                if self._ledger.publish(handles[0].batch, handles, None)[0]:
-                    self.times.mark("first_ready")
-            self.resident_bytes = sum(h.nbytes for handles in batches for h in handles)
-            self._cond.notify_all()
-        self._buffers.served(self.resident_bytes)
-        served = {h.name for handles in batches for h in handles}
-        return [t for t in wanted if t.name not in served]
-
-    def _acquire(self, batch: Batch) -> tuple[Segment, SegmentSlot] | None:
-        """The pipeline's source of buffers: a segment for ``batch``, or none yet."""
-        with self._cond:
-            if self._cancelled:
-                raise _Cancelled
-        slot = self._buffers.acquire(batch)
-        return None if slot is None else (slot.segment, slot)
-
-    def _wait_for_release(self) -> None:
-        with self._cond:
-            if self._cancelled:
-                raise _Cancelled
-            self._cond.wait(0.5)
-
-    def _publish(self, load: Load) -> None:
-        slot: SegmentSlot | None = load.token
-        if slot is not None:
-            self._buffers.keep(slot, load.batch.placements)
-        with self._cond:
-            if self._cancelled:
-                raise _Cancelled
-            segment = slot.segment.name if slot is not None else None
-            # A kept segment is read by later loads too: ranks map it like a ring slot.
-            dedicated = load.batch.kind is BatchKind.OVERSIZED and not slot.kept
-            handles = [handle(load.index, segment, p.buffer_offset, p.tensor, dedicated) for p in load.batch.placements]
-            handed, held = self._ledger.publish(load.index, handles, slot, leased=segment is not None)
-            if handed:
-                self.times.mark("first_ready")
-            if not held and slot is not None:
-                self._buffers.recycle(slot)
-            self._cond.notify_all()
 
     # ------------------------------------------------------------------ rank requests
 
@@ -439,6 +378,11 @@ class Session:
             self._ledger.clear()  # the joined ranks' process watches
             self._no_longer_joining()
             self._on_end(self)
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes handed out from memory kept by earlier loads."""
+        return self._feed.resident_bytes
 
     def summary(self) -> SessionSummary:
         with self._cond:
