@@ -71,10 +71,10 @@ def node(tmp_path, checkpoint_dir):  # noqa: F811 - the imported fixture, by nam
         pools.append(SegmentPool(store, ShmBudget(budget), idle_s))
         return pools[-1]
 
-    def session(pool: SegmentPool, resident: ResidentStore | None = None) -> Session:
+    def session(pool: SegmentPool, resident: ResidentStore | None = None, reader_factory=None) -> Session:
         return Session(
             "key", checkpoint, 1, slot_size=SLOT, pool=pool, join_timeout_s=60, on_end=lambda s: None,
-            resident=resident, reader_factory=lambda **k: FakeReader([], **k),
+            resident=resident, reader_factory=reader_factory or (lambda **k: FakeReader([], **k)),
         )  # fmt: skip
 
     yield type("Node", (), {"pool": staticmethod(pool), "session": staticmethod(session), "store": store, "shm": shm,
@@ -161,13 +161,33 @@ def test_a_retained_load_makes_its_segments_ahead_and_keeps_exactly_what_it_fill
     resident.close()
 
 
+class HeldReader(FakeReader):
+    """A :class:`FakeReader` that answers its first ``first`` ranges, then waits for ``go``."""
+
+    def __init__(self, log: list[int], first: int, go: threading.Event, **kw: object) -> None:
+        super().__init__(log, **kw)
+        self._first = first
+        self._go = go
+
+    def answer(self, wait_s=None):
+        if self._first:
+            self._first -= 1
+        else:
+            assert self._go.wait(60)
+        return super().answer(wait_s)
+
+
 def test_an_abandoned_retained_load_unlinks_the_segments_made_ahead_for_it(node):
     pool = node.pool(4 * SLOT, idle_s=0)
     resident = ResidentStore(64 * 2**20)
-    session = node.session(pool, resident)
+    # Storage answers the first batch, then nothing until its rank left: the load cannot end before.
+    go = threading.Event()
+    first = len(build_plan(node.checkpoint.catalog.tensors, SLOT).batches[0].ranges)
+    session = node.session(pool, resident, reader_factory=lambda **k: HeldReader([], first, go, **k))
     _join_all(session, [None])
     assert _consume(session, 0, node.shm, stop_after=1)
     session.leave(0)
+    go.set()
     assert session.wait_ended(60) and session.state is SessionState.FAILED
     files = list(node.shm.iterdir())
     # Only the batches that were loaded stay (the resident copy's); the rest made ahead are gone.
