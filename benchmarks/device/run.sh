@@ -43,8 +43,10 @@ info.mkdir(exist_ok=True)
 (info / "entry_points.txt").write_text("".join(
     f"[{group}]\n" + "".join(f"{name} = {target}\n" for name, target in eps.items()) for group, eps in points.items()))
 PY
-# Bytecode as an installed package has it (pip compiles on install), outside the timed loads.
-python3 -m compileall -q client/streamer_client streamer_service /tmp/site >/dev/null 2>&1
+# Bytecode as an installed package has it (pip compiles on install), outside the timed loads; the
+# baseline's too, or its ranks compile their lazy imports inside the clock.
+python3 -m compileall -q client/streamer_client streamer_service /tmp/site \
+    ${BASELINE:+"$BASELINE/client/streamer_client" "$BASELINE/streamer_service"} >/dev/null 2>&1
 
 {
     nproc; uname -r; python3 --version; ldd --version | head -1; getconf PAGE_SIZE
