@@ -13,7 +13,9 @@ How a batch's bytes become tensors (``delivery``, shared with the embedded engin
 - CUDA, staged (``STREAMER_PIN_SEGMENTS=never``, and a process's first load with ``auto``): the
   copier's threads copy the segment, a window at a time, into the process's small page-locked
   staging ring, each window's host-to-device copy overlapping the next window; the batch is
-  released as soon as its bytes are staged. Nothing the size of the checkpoint is page-locked;
+  released as soon as its bytes are staged. The windows of successive replies form one stream: the
+  last window of a reply is still being filled while the next reply is asked for. Nothing the
+  size of the checkpoint is page-locked;
 - CUDA, pinned (``always``, and a reloading process with ``auto``): each segment is page-locked
   once per process (on a worker thread, ahead of its copies) and copied from directly; the batch
   is released once its copies completed.
@@ -140,6 +142,7 @@ class _Receiver:
         self._in_hand: weakref.ref | None = None
         self._copier = None
         self._staging: delivery.Staging | None = None
+        self._held: tuple[list[Handle], list[torch.Tensor]] | None = None  # staged, its last window still filling
         staged = False
         if borrowed:
             self._segments = _PrivateSegments(shm_dir)
@@ -166,19 +169,24 @@ class _Receiver:
             while not done:
                 # Copies stay in flight across the request: batches whose copies completed are
                 # released with it; with copies pending the request does not long-poll, so a
-                # batch waiting only for its copies is released as soon as they land.
+                # batch waiting only for its copies is released as soon as they land. Staged, the
+                # window still being filled holds its batch the same way: an empty reply finishes
+                # it, and its release goes with the next request.
                 pending = False
                 if self._copier is not None:
                     self._copier.poll()
                     # Staged batches are released once staged: pending copies hold no batch.
                     pending = self._staging is None and self._copier.pending > 0
+                holding = self._held is not None
                 release, self._release[:] = list(self._release), []  # one list: callbacks append to it
-                reply = NextReply.from_wire(
-                    self._client.call(self._next, protocol.NextRequest(release, 0.0 if pending else POLL_WAIT_S).to_wire())
-                )
+                wait_s = 0.0 if pending or holding else POLL_WAIT_S
+                reply = NextReply.from_wire(self._client.call(self._next, protocol.NextRequest(release, wait_s).to_wire()))
                 done = reply.done
                 # A reply holds whole batches, in order.
                 batches = list(_by_batch(reply.handles))
+                if not batches and holding:
+                    yield from self._finish_held()
+                    continue
                 if not batches and pending:
                     self._copier.wait_one()
                     continue
@@ -187,7 +195,7 @@ class _Receiver:
                     # one is registered while the current one's copies run.
                     self._segments.prepare([b[0].segment for b in batches if b[0].segment is not None], self._device)
                 if self._staging is not None:
-                    yield from self._staged(batches)
+                    yield from self._staged(batches, last=done)
                 else:
                     for batch in batches:
                         yield from self._delivered(batch)
@@ -220,6 +228,7 @@ class _Receiver:
     def _stop_staging(self) -> None:
         """A load that ends early: a window still being filled reads this rank's segments, so it is
         waited for before the daemon hears that the rank left."""
+        self._held = None  # its tensors were never handed out
         if self._staging is not None:
             self._staging.abandon()
 
@@ -251,22 +260,31 @@ class _Receiver:
         items.clear()
         yield from self._hand_out(batch, tensors)
 
-    def _staged(self, batches: list[list[Handle]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """A reply's batches staged to the device as one stream of windows: a batch's tensors are
-        yielded, and the batch released, once the next batch's first window is being filled (the
-        last batch: once its bytes are copied out). Releases go with the next request anyway."""
-        previous: tuple[list[Handle], list[torch.Tensor]] | None = None
+    def _staged(self, batches: list[list[Handle]], *, last: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """A reply's batches staged to the device, in the stream of windows of every reply: a
+        batch's tensors are yielded, and the batch released, once the next batch's first window
+        is being filled, which for a reply's last batch is in the next reply (``last``: there is
+        none; once its bytes are copied out). Releases go with the next request anyway."""
         for k, batch in enumerate(batches):
             with_bytes = [h for h in batch if h.segment is not None]
             items = [(self._segments.segment(h.segment).address + h.offset, h.dtype, h.shape) for h in with_bytes]
-            more = k + 1 < len(batches)
-            staged = iter(self._staging.copy(items, functools.partial(_cut_short, with_bytes), hold=more))
+            hold = k + 1 < len(batches) or not last
+            staged = iter(self._staging.copy(items, functools.partial(_cut_short, with_bytes), hold=hold))
             tensors = [next(staged) if h.segment is not None else _empty(h, self._device) for h in batch]
-            if previous is not None:  # this copy finished the window the previous batch's left held
+            previous, self._held = self._held, None
+            holding = self._staging.holding
+            if previous is not None:  # this copy finished the window the batch before left filling
                 yield from self._hand_out(*previous)
-            previous = (batch, tensors)
-        if previous is not None:
-            yield from self._hand_out(*previous)
+            if holding:
+                self._held = (batch, tensors)
+            else:
+                yield from self._hand_out(batch, tensors)
+
+    def _finish_held(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """No batch came to follow the held one: finish its window, hand it out."""
+        self._staging.flush()
+        held, self._held = self._held, None
+        yield from self._hand_out(*held)
 
     def _hand_out(self, batch: list[Handle], tensors: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
         """A batch whose bytes are all copied out: released, then its tensors yielded."""

@@ -257,6 +257,11 @@ class Staging:
             raise
         return outs
 
+    @property
+    def holding(self) -> bool:
+        """A held call's last window is still being filled: :meth:`copy` or :meth:`flush` finishes it."""
+        return self._filling is not None
+
     def flush(self) -> None:
         """Finish the window being filled, if any: once this returns every source given to
         :meth:`copy` was read and every tensor it returned is fenced."""
