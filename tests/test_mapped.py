@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from checkpoints import ground_truth, make_sharded_checkpoint, mixed_tensors, tensor_bytes
+from held_pages import HeldPages
 
 from streamer_client.errors import ObjectChangedError, SettingsError, StorageError
 from streamer_service.checkpoint.catalog import build_catalog
@@ -143,15 +144,17 @@ def test_a_file_cut_short_under_its_mapping_fails_that_range_and_the_process_goe
 
 
 def test_a_submission_not_copied_within_the_wait_answers_none_and_its_ranges_come_later(tmp_path):
-    """64 MiB through a new mapping into new memory take longer than the 1 ms a zero wait lasts:
-    ``answer(0)`` ends with nothing and the ranges still owed; then both answers come, in order."""
+    """The ranges' destination is held by the kernel (``held_pages``): ``answer(0)`` ends with
+    nothing and the ranges still owed; once the pages are let go both answers come, in order."""
     path = tmp_path / "shard.bin"
-    path.write_bytes(os.urandom(64 * MIB))
-    dst = np.empty(64 * MIB, dtype=np.uint8)
-    reads = (ReadRange(0, 32 * MIB, dst.ctypes.data), ReadRange(32 * MIB, 32 * MIB, dst.ctypes.data + 32 * MIB))
+    path.write_bytes(os.urandom(8 * MIB))
+    held = HeldPages(8 * MIB)
+    dst = held.array
+    reads = (ReadRange(0, 4 * MIB, dst.ctypes.data), ReadRange(4 * MIB, 4 * MIB, dst.ctypes.data + 4 * MIB))
     with MappedReader(maps=FileMaps()) as reader:
         reader.submit([FileReads(str(path), reads)], keepalive=dst)
         assert reader.answer(0) is None and reader.outstanding == 2
+        held.release()
         first, second = reader.answer(), reader.answer(0)
         assert (first.range_index, second.range_index) == (0, 1) and first.error is second.error is None
         assert second.submission_done and reader.outstanding == 0 and reader.answer() is None
