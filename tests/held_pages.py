@@ -10,6 +10,7 @@ import fcntl
 import mmap
 import os
 import platform
+import select
 import struct
 import threading
 
@@ -44,6 +45,13 @@ class HeldPages:
         self._timer = threading.Timer(release_after_s, self.release)
         self._timer.daemon = True
         self._timer.start()
+
+    def wait_for_fault(self, timeout_s: float) -> bool:
+        """Whether a thread is held on one of these pages within ``timeout_s``: from then until
+        :meth:`release` that thread is inside the kernel, in the call that touched them."""
+        poller = select.poll()
+        poller.register(self._fd, select.POLLIN)
+        return bool(poller.poll(int(timeout_s * 1000)))
 
     def release(self) -> None:
         """Let every held fault, and every later one, proceed as usual (closing the descriptor

@@ -1,12 +1,16 @@
 """Shared-memory segments as mapped: every page mapped already where populated (the daemon's, as
 Run:ai's threads write into them; a rank's for CPU copies), with or without the kernel's
-piecewise populate (``streamer_client.segments.map_shared``)."""
+piecewise populate (``streamer_client.segments.map_shared``), which leaves the GIL to the process's
+other threads."""
 
 from __future__ import annotations
 
 import mmap
 import os
+import subprocess
+import sys
 import tempfile
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -77,3 +81,39 @@ def test_a_rank_maps_a_segment_whole_for_cpu_copies_and_lazily_otherwise(shm_dir
                 mapping.close()
     finally:
         segment.close()
+
+
+def test_populating_pages_leaves_the_gil_to_the_process_s_other_threads():
+    """A daemon makes segments on maker threads while its loading thread and HTTP server run: the
+    populating call must not hold the GIL. Its pages are held by the kernel (``held_pages``), so
+    the call cannot end before the child's main thread, running Python meanwhile, lets it. In a
+    child process: a call that held the GIL would hang it."""
+    code = f"""
+        import sys, threading
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from held_pages import HeldPages
+        from streamer_client.segments import populate_pages
+
+        held = HeldPages(8 * {MIB}, release_after_s=60)
+        done = threading.Event()
+
+        def populate():
+            populate_pages(held.array.ctypes.data, 8 * {MIB}, writable=True, piece=2 * {MIB})
+            done.set()
+
+        threading.Thread(target=populate, daemon=True).start()
+        assert held.wait_for_fault(30), "the populating thread never touched the held pages"
+        print("ran while the pages were held", flush=True)
+        assert not done.is_set()
+        held.release()
+        assert done.wait(30)
+        print("populated", flush=True)
+    """
+    try:
+        child = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the populating call held the GIL: the child's main thread never ran ({exc.stdout!r})")
+    if child.returncode != 0 and "userfaultfd" in child.stdout + child.stderr and "Skipped" in child.stderr:
+        pytest.skip(child.stderr.strip().splitlines()[-1])
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.splitlines() == ["ran while the pages were held", "populated"]

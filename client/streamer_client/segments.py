@@ -26,6 +26,7 @@ run (the copy engine is not slowed by it; measured). A copy waits only for its o
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import logging
 import mmap
@@ -41,7 +42,9 @@ import numpy as np
 from .counters import Counters
 from .errors import DaemonError
 
-__all__ = ["POPULATE_PIECE", "Load", "MappedSegment", "SegmentMaps", "map_segment", "map_shared", "segment_maps"]
+__all__ = [
+    "POPULATE_PIECE", "Load", "MappedSegment", "SegmentMaps", "map_segment", "map_shared", "populate_pages", "segment_maps",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +54,26 @@ SWEEP_S = 2.0  # how long a rank may keep mapping a segment the daemon unlinked
 # A segment's page tables are made when it is mapped (``populate``), not by a fault per 4 KiB page as
 # it is first written or read; and a few MiB at a time: each call holds the process's address-space
 # lock, which every other thread needs to map memory (a daemon's S3 client mapping its buffers: a
-# 256 MiB segment mapped in one call held its first reads up).
+# 256 MiB segment mapped in one call held its first reads up). The calls go through ctypes, which
+# lets go of the GIL: ``mmap.madvise`` holds it for the whole call (about 0.05 s per 256 MiB of
+# 4 KiB pages), and a daemon making segments on its maker threads would stall every other Python
+# thread it has, its loading thread and its HTTP server among them, for as long.
 POPULATE_PIECE = 8 * 2**20
 _POPULATE = {False: getattr(mmap, "MADV_POPULATE_READ", 22), True: getattr(mmap, "MADV_POPULATE_WRITE", 23)}  # Linux 5.14
 _piecewise = True  # False once the kernel refused it: one MAP_POPULATE call a mapping instead
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_libc.madvise.restype = ctypes.c_int
+
+
+def populate_pages(address: int, nbytes: int, *, writable: bool, piece: int = POPULATE_PIECE) -> None:
+    """Map every page of the ``nbytes`` at ``address`` now (``writable``: for writing), ``piece``
+    bytes a call, without holding the GIL; ``OSError`` with the kernel's errno if it refuses
+    (``EINVAL`` before Linux 5.14)."""
+    for offset in range(0, nbytes, piece):
+        if _libc.madvise(address + offset, min(piece, nbytes - offset), _POPULATE[writable]) != 0:
+            code = ctypes.get_errno()
+            raise OSError(code, os.strerror(code))
 
 
 def map_shared(fd: int, nbytes: int, *, writable: bool, populate: bool, piece: int = POPULATE_PIECE) -> mmap.mmap:
@@ -64,14 +83,15 @@ def map_shared(fd: int, nbytes: int, *, writable: bool, populate: bool, piece: i
     prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
     if populate and _piecewise:
         mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=prot)
+        view = np.frombuffer(mapping, dtype=np.uint8)  # its address (read-only mappings too)
         try:
-            for offset in range(0, nbytes, piece):
-                mapping.madvise(_POPULATE[writable], offset, min(piece, nbytes - offset))
+            populate_pages(view.ctypes.data, nbytes, writable=writable, piece=piece)
             return mapping
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 return mapping  # pages not mapped now are mapped by the first touch of each
             _piecewise = False
+            del view  # an exported buffer would keep the mapping from closing
             mapping.close()
     flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
     return mmap.mmap(fd, nbytes, flags=flags, prot=prot)

@@ -54,8 +54,9 @@ _NAME_RE = re.compile(r"^streamer-(\d+)-[0-9a-f]+-\d+$")
 
 
 # Threads that make segments ahead of need (``SegmentStore.create_soon``). posix_fallocate zero-fills
-# a segment and map_shared maps it on one thread; both release the GIL, so segments made side by side
-# on a many-core host take the time of one (the reads they overlap have cores of their own). Not
+# a segment and map_shared maps it on one thread; both let go of the GIL (map_shared populates through
+# ctypes), so segments made side by side on a many-core host take the time of one and the daemon's
+# other threads run meanwhile (the reads they overlap have cores of their own). Not
 # more: where new memory is slow to come (a VM's memory growing), more threads share that rate and
 # the segment the load needs next comes later (8 threads: 0.60 s of a 4.3 GB retained load waiting
 # for segments on an H200 VM, 4 threads: 0.40 s).
