@@ -78,7 +78,8 @@ def populate_pages(address: int, nbytes: int, *, writable: bool, piece: int = PO
 
 def map_shared(fd: int, nbytes: int, *, writable: bool, populate: bool, piece: int = POPULATE_PIECE) -> mmap.mmap:
     """``fd``'s first ``nbytes`` mapped shared (``writable`` or read-only); ``populate``: every page
-    mapped already, ``piece`` bytes (a multiple of the page size) per call."""
+    mapped already, ``piece`` bytes (a multiple of the page size) per call (:func:`populate_pages`;
+    before Linux 5.14, one ``MAP_POPULATE`` call, which holds the GIL)."""
     global _piecewise
     prot = mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0)
     if populate and _piecewise:
