@@ -228,3 +228,33 @@ def test_azurite_over_https_behind_the_latency_proxy_is_read_exactly(tmp_path):
     unique = by["A"]["unique_bytes"]
     assert unique <= by["B"]["storage_bytes"] < 1.2 * unique  # once, plus TLS records and headers
     assert 2 * unique <= by["A"]["storage_bytes"] < 2.4 * unique
+
+
+def test_a_storage_server_that_exits_before_the_upload_is_named_with_its_log(tmp_path):
+    """A server that listens, then dies (a port of one of its components taken, say): the bench
+    says it exited, with its code and its log, not only that nothing answers on the endpoint."""
+    from streamer_service.bench.sources import HOST, _S3Source, free_port
+
+    class ExitingServer(_S3Source):
+        name = "exiting"
+
+        def _start(self) -> None:
+            port = free_port()
+            self.log = self.work / "exiting.log"
+            script = (
+                "import socket, sys\n"
+                f"s = socket.create_server(({HOST!r}, {port}))\n"
+                "s.accept()\n"  # the bench saw it listening
+                "print('fatal: the filer port is taken', flush=True)\n"
+                "sys.exit(3)\n"
+            )
+            self._spawn([sys.executable, "-c", script], self.log)
+            self.endpoint = f"http://{HOST}:{port}"
+            self._wait_listening(port, self.log)
+
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    with pytest.raises(RuntimeError) as raised:
+        ExitingServer(tmp_path, checkpoint)
+    assert str(raised.value).startswith("exiting exited with code 3:\n")
+    assert "fatal: the filer port is taken" in str(raised.value)

@@ -61,6 +61,10 @@ class LocalSource(Source):
         return "local dir, page cache warm; bytes: rchar of the reading processes (/proc/<pid>/io)"
 
 
+def _tail(log: Path) -> str:
+    return log.read_text(errors="replace")[-2000:] if log.exists() else ""
+
+
 def warm_page_cache(directory: Path) -> None:
     for path in sorted(directory.iterdir()):
         if path.is_file():
@@ -73,6 +77,7 @@ class _ServerSource(Source):
     """A storage server child process, logging to a file under the work dir."""
 
     work: Path
+    log: Path
     endpoint = ""
 
     def _spawn(self, cmd: list[str], log: Path) -> None:
@@ -88,9 +93,14 @@ class _ServerSource(Source):
             with contextlib.suppress(OSError), socket.create_connection((HOST, port), timeout=1):
                 return
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
-                raise RuntimeError(f"{self.name} did not start listening on {HOST}:{port}:\n{tail}")
+                raise RuntimeError(f"{self.name} did not start listening on {HOST}:{port}:\n{_tail(log)}")
             time.sleep(0.1)
+
+    def _exited(self) -> RuntimeError | None:
+        """The server's exit, with its log's last lines, once it has exited."""
+        if self.proc is None or self.proc.poll() is None:
+            return None
+        return RuntimeError(f"{self.name} exited with code {self.proc.returncode}:\n{_tail(self.log)}")
 
     def close(self) -> None:
         if self.proc is not None:
@@ -137,8 +147,10 @@ class _S3Source(_ServerSource):
                 break
             except client.exceptions.BucketAlreadyOwnedByYou:
                 break  # an earlier attempt got through
-            except Exception:  # noqa: BLE001 - retried until the deadline, then raised
-                if time.monotonic() > deadline or (self.proc and self.proc.poll() is not None):
+            except Exception as exc:  # noqa: BLE001 - retried until the deadline, then raised
+                if (exited := self._exited()) is not None:
+                    raise exited from exc  # what the server said, not only that nothing answers
+                if time.monotonic() > deadline:
                     raise
                 time.sleep(0.3)
         for path in sorted(checkpoint.iterdir()):
