@@ -55,9 +55,9 @@ SWEEP_S = 2.0  # how long a rank may keep mapping a segment the daemon unlinked
 # it is first written or read; and a few MiB at a time: each call holds the process's address-space
 # lock, which every other thread needs to map memory (a daemon's S3 client mapping its buffers: a
 # 256 MiB segment mapped in one call held its first reads up). The calls go through ctypes, which
-# lets go of the GIL: ``mmap.madvise`` holds it for the whole call (about 0.05 s per 256 MiB of
-# 4 KiB pages), and a daemon making segments on its maker threads would stall every other Python
-# thread it has, its loading thread and its HTTP server among them, for as long.
+# lets go of the GIL: ``mmap.madvise`` holds it for the whole call, and a daemon making segments on
+# its maker threads would stall every other Python thread it has, its loading thread and its HTTP
+# server among them, for as long as populating takes.
 POPULATE_PIECE = 8 * 2**20
 _POPULATE = {False: getattr(mmap, "MADV_POPULATE_READ", 22), True: getattr(mmap, "MADV_POPULATE_WRITE", 23)}  # Linux 5.14
 _piecewise = True  # False once the kernel refused it: one MAP_POPULATE call a mapping instead
