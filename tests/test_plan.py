@@ -356,6 +356,17 @@ def test_daemon_order_is_embedded_order_for_every_rank(case):
     assert {t.name for t in daemon} == {t.name for c in chosen for t in c}
 
 
+def test_a_priority_entry_naming_a_tensor_is_that_name_for_a_rank_that_does_not_select_it():
+    """``w`` names a tensor of the checkpoint: it is that name, never the prefix of ``w_scale``,
+    whether or not a rank selects ``w``; so a rank and a group of ranks read it alike."""
+    catalog = laid_out("a", {"w": 1, "w_scale": 1, "x": 1})
+    with pytest.raises(SelectionError, match="priority entry 'w' matches no selected tensor"):
+        select(catalog, ["w_scale", "x"], priority=["w"])
+    alone = select(catalog, None, priority=["w"])
+    assert names(alone) == ["w", "w_scale", "x"]
+    assert names(union_order(catalog, [(alone, ["w"]), (select(catalog, ["x"]), None)])) == ["w", "w_scale", "x"]
+
+
 def test_union_order_puts_each_ranks_priority_entries_in_rank_order():
     rank0 = select(CATALOG, ["layer.2.", "norm"], ["norm"])
     rank1 = select(CATALOG, ["layer.1.", "layer.10."], ["layer.10."])

@@ -34,7 +34,7 @@ from __future__ import annotations
 import bisect
 import enum
 import mmap
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from dataclasses import dataclass
 
 from streamer_client.errors import ConfigError, SelectionError
@@ -71,11 +71,11 @@ def select(
     """The tensors to deliver, in delivery order.
 
     ``catalog_tensors`` are in checkpoint order (as ``Catalog.tensors`` holds them). An entry of
-    ``select`` or ``priority`` that equals a tensor name is that name; any other entry is a plain
-    string prefix (so ``"model.layers.1"`` also covers ``model.layers.10``: write
-    ``"model.layers.1."`` for layer 1 alone). ``select=None`` takes every tensor. Tensors matching
-    ``priority`` entries come first, grouped in the order of the entries; the rest follows in
-    checkpoint order.
+    ``select`` or ``priority`` that equals the name of one of the checkpoint's tensors is that name,
+    whether this selection holds it or not; any other entry is a plain string prefix (so
+    ``"model.layers.1"`` also covers ``model.layers.10``: write ``"model.layers.1."`` for layer 1
+    alone). ``select=None`` takes every tensor. Tensors matching ``priority`` entries come first,
+    grouped in the order of the entries; the rest follows in checkpoint order.
 
     Fails closed with :class:`SelectionError`, before anything is read, on: an empty list, an
     empty or repeated entry, an entry that matches no tensor (for ``priority``: no selected
@@ -89,8 +89,9 @@ def select(
         chosen = [t for t in catalog_tensors if t.name in wanted]
     if priority is None:
         return chosen
-    _Entries.parse(priority, "priority", [t.name for t in chosen])
-    return delivery_order(chosen, priority)
+    catalog_names = frozenset(t.name for t in catalog_tensors)
+    _Entries.parse(priority, "priority", [t.name for t in chosen], exact=catalog_names)
+    return delivery_order(chosen, priority, catalog_names)
 
 
 def union_order(
@@ -104,21 +105,27 @@ def union_order(
     """
     union = {t.name for chosen, _ in ranks for t in chosen}
     priority = list(dict.fromkeys(p for _, entries in ranks for p in (entries or ())))
-    return delivery_order([t for t in catalog_tensors if t.name in union], priority)
+    catalog_names = frozenset(t.name for t in catalog_tensors)
+    return delivery_order([t for t in catalog_tensors if t.name in union], priority, catalog_names)
 
 
-def delivery_order(tensors: Sequence[TensorInfo], priority: Sequence[str] | None) -> list[TensorInfo]:
+def delivery_order(
+    tensors: Sequence[TensorInfo], priority: Sequence[str] | None, names: Set[str] | None = None
+) -> list[TensorInfo]:
     """``tensors`` (in checkpoint order) in delivery order: the one ordering rule of both modes.
 
     Tensors matching a ``priority`` entry come first, grouped in the order of the entries, then
-    the rest in checkpoint order. An entry equal to the name of one of ``tensors`` is that name;
-    any other entry is a prefix. A tensor two entries match belongs to the first (``select``
-    refuses overlaps in one rank's entries; the daemon orders the union of its ranks' selections
-    with their entries concatenated in rank order, where they may overlap).
+    the rest in checkpoint order. An entry in ``names`` (the checkpoint's tensor names; default:
+    those of ``tensors``) is that name; any other entry is a prefix. Both modes pass the whole
+    checkpoint's names, so an entry means the same for a rank's selection and for the union of
+    several. A tensor two entries match belongs to the first (``select`` refuses overlaps in one
+    rank's entries; the daemon orders the union of its ranks' selections with their entries
+    concatenated in rank order, where they may overlap).
     """
     if not priority:
         return list(tensors)
-    names = {t.name for t in tensors}
+    if names is None:
+        names = {t.name for t in tensors}
     exact: dict[str, int] = {}
     prefixes: dict[str, int] = {}
     for i, entry in enumerate(priority):
@@ -138,19 +145,25 @@ def delivery_order(tensors: Sequence[TensorInfo], priority: Sequence[str] | None
 class _Entries:
     """Validated selection or priority entries against the names they may match."""
 
-    __slots__ = ("what", "entries", "sorted_names", "names")
+    __slots__ = ("what", "entries", "sorted_names", "names", "exact")
 
-    def __init__(self, what: str, entries: tuple[str, ...], sorted_names: tuple[str, ...], names: frozenset[str]) -> None:
+    def __init__(
+        self, what: str, entries: tuple[str, ...], sorted_names: tuple[str, ...], names: frozenset[str], exact: frozenset[str]
+    ) -> None:
         self.what = what
         self.entries = entries
         self.sorted_names = sorted_names
         self.names = names
+        self.exact = exact  # an entry equal to one of these is that name, never a prefix
 
     @classmethod
-    def parse(cls, entries: Sequence[str], what: str, names: Sequence[str]) -> _Entries:
+    def parse(cls, entries: Sequence[str], what: str, names: Sequence[str], exact: Set[str] | None = None) -> _Entries:
+        """``entries`` checked against ``names`` (what they may match); ``exact``: the names an
+        entry equal to is that name (the checkpoint's, which may be more than ``names``)."""
         if isinstance(entries, str):  # a lone string would otherwise be read as a list of letters
             raise SelectionError(f"{what} must be a list of names or prefixes, got the string {entries!r}")
-        parsed = cls(what, tuple(entries), tuple(sorted(names)), frozenset(names))
+        matchable = frozenset(names)
+        parsed = cls(what, tuple(entries), tuple(sorted(names)), matchable, matchable if exact is None else frozenset(exact))
         parsed._check_entries()
         for entry in parsed.entries:
             if not parsed.matches(entry):
@@ -182,13 +195,14 @@ class _Entries:
                     f"{self.what} entries overlap: prefix {last_prefix!r} also covers {entry!r}",
                     key=entry,
                 )
-            if entry not in self.names:
+            if entry not in self.exact:
                 last_prefix = entry
 
     def matches(self, entry: str) -> list[str]:
-        """``[entry]`` if it is a name, else every name it is a prefix of (sorted)."""
-        if entry in self.names:
-            return [entry]
+        """``[entry]`` if it is a name (``[]`` if not one of ``names``), else every name it is a
+        prefix of (sorted)."""
+        if entry in self.exact:
+            return [entry] if entry in self.names else []
         start = bisect.bisect_left(self.sorted_names, entry)
         end = start
         while end < len(self.sorted_names) and self.sorted_names[end].startswith(entry):
