@@ -17,6 +17,14 @@ from pathlib import Path
 import pytest
 from harness import azure_tls as _azure_tls
 from harness.backends import SERVICES, Backend, LocalBackend
+from hypothesis import settings as _hypothesis_settings
+
+# Property tests draw the same examples on every run (a counterexample found at random would make
+# the suite fail at random); HYPOTHESIS_PROFILE=explore draws new ones, to look for more. Loaded
+# here, before the test modules' @settings take it as their parent.
+_hypothesis_settings.register_profile("repeatable", derandomize=True, database=None)
+_hypothesis_settings.register_profile("explore")
+_hypothesis_settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 BACKENDS = ["local", "s3", "gcs", "azure"]
 CLOUD_BACKENDS = ["s3", "gcs", "azure"]
