@@ -21,6 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from streamer_client import segments
 from streamer_service.daemon import shm
 
 MIB = 2**20
@@ -37,7 +38,7 @@ def one_call(fd: int, nbytes: int, *, writable: bool, populate: bool, piece: int
 def gil_pieces(fd: int, nbytes: int, *, writable: bool, populate: bool, piece: int) -> mmap.mmap:
     mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     for offset in range(0, nbytes, piece):
-        mapping.madvise(23, offset, min(piece, nbytes - offset))  # MADV_POPULATE_WRITE, the GIL held
+        mapping.madvise(segments._POPULATE[True], offset, min(piece, nbytes - offset))  # the GIL held
     return mapping
 
 

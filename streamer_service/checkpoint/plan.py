@@ -109,23 +109,18 @@ def union_order(
     return delivery_order([t for t in catalog_tensors if t.name in union], priority, catalog_names)
 
 
-def delivery_order(
-    tensors: Sequence[TensorInfo], priority: Sequence[str] | None, names: Set[str] | None = None
-) -> list[TensorInfo]:
+def delivery_order(tensors: Sequence[TensorInfo], priority: Sequence[str] | None, names: Set[str]) -> list[TensorInfo]:
     """``tensors`` (in checkpoint order) in delivery order: the one ordering rule of both modes.
 
     Tensors matching a ``priority`` entry come first, grouped in the order of the entries, then
-    the rest in checkpoint order. An entry in ``names`` (the checkpoint's tensor names; default:
-    those of ``tensors``) is that name; any other entry is a prefix. Both modes pass the whole
-    checkpoint's names, so an entry means the same for a rank's selection and for the union of
-    several. A tensor two entries match belongs to the first (``select`` refuses overlaps in one
+    the rest in checkpoint order. An entry in ``names`` (the whole checkpoint's tensor names, not
+    only those of ``tensors``) is that name; any other entry is a prefix: an entry means the same
+    for a rank's selection and for the union of several. A tensor two entries match belongs to the first (``select`` refuses overlaps in one
     rank's entries; the daemon orders the union of its ranks' selections with their entries
     concatenated in rank order, where they may overlap).
     """
     if not priority:
         return list(tensors)
-    if names is None:
-        names = {t.name for t in tensors}
     exact: dict[str, int] = {}
     prefixes: dict[str, int] = {}
     for i, entry in enumerate(priority):
