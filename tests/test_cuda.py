@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -392,12 +393,19 @@ def own_registrations():
         release_process_pins()
 
 
-def _engine(directory: Path, budget: int, slot: int, pool=None):
+def _engine(directory: Path, budget: int, slot: int, pool=None, *, ring: bool = True, versions: bool = False):
     """An engine whose CUDA loads keep their pinned slots in ``pool`` (default: one of its own,
-    ``engine.pool``, so that tests see only their own registrations)."""
+    ``engine.pool``, so that tests see only their own registrations).
+
+    ``ring``: its device loads go through its ring, read by Run:ai (as from object storage, or with
+    ``STREAMER_LOCAL_READER=runai``); else the reader is the engine's own choice, which for a
+    local directory stages straight from the files' mappings (``embedded.staged``).
+    ``versions``: each batch's files are checked against the catalog's versions."""
     from streamer_service.checkpoint.catalog import build_catalog
+    from streamer_service.checkpoint.versions import ObjectVersions
     from streamer_service.embedded.buffers import PinnedPool
     from streamer_service.embedded.engine import EmbeddedEngine, EngineConfig
+    from streamer_service.readers.runai.reader import NativeReader
     from streamer_service.settings import Settings
     from streamer_service.storage import open_storage
     from streamer_service.uri import parse_uri
@@ -406,7 +414,11 @@ def _engine(directory: Path, budget: int, slot: int, pool=None):
     catalog = build_catalog(open_storage(uri, Settings()))
     pool = pool if pool is not None else PinnedPool()
     _POOLS.append(pool)
-    engine = EmbeddedEngine(uri, catalog, EngineConfig(budget=budget, slot_size=slot), pool=pool)
+    checks = ObjectVersions(uri, catalog.files, Settings()) if versions else None
+    engine = EmbeddedEngine(
+        uri, catalog, EngineConfig(budget=budget, slot_size=slot), pool=pool,
+        reader_factory=NativeReader if ring else None, versions=checks,
+    )  # fmt: skip
     engine.pool = pool
     return engine
 
@@ -536,6 +548,110 @@ def test_a_second_device_load_pins_nothing_and_the_first_pins_only_what_it_uses(
     assert registered_ranges() == {} and stats.pinned_bytes == 0
 
 
+def _staging_ring_only() -> bool:
+    """Whether what the process has page-locked is the staging ring and nothing else."""
+    from streamer_client.delivery import STAGING_SLOT_BYTES, STAGING_SLOTS
+
+    return sorted(registered_ranges().values()) == [STAGING_SLOT_BYTES] * STAGING_SLOTS
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_a_local_device_load_is_staged_from_the_files_mappings(many_batches, monkeypatch):
+    from streamer_service.readers.mapped import file_maps
+
+    directory, truth = many_batches
+    _slow_copies(monkeypatch)  # a staging slot reused before its copies completed would corrupt tensors
+    engine = _engine(directory, budget=32 * KIB, slot=8 * KIB, ring=False)
+    plan = engine.plan()
+    names = []
+    for name, tensor in engine.stream(plan, device="cuda:0"):
+        assert tensor.device == torch.device("cuda", 0)
+        assert _bytes_equal(tensor, truth[name]), name  # used at once, on the current stream
+        names.append(name)
+    assert names == [t.name for t in plan.tensors]
+    assert {str(p) for p in directory.glob("*.safetensors")} <= set(file_maps().paths())
+    # No ring of the engine's: nothing of its pool, only the process's staging ring is page-locked.
+    assert engine.stats.peak_buffer_bytes == 0 and engine.pool.stats.pinned == 0
+    assert _staging_ring_only()
+    assert engine.stats.tensors == len(truth) and engine.stats.bytes_read == sum(t.nbytes for t in plan.tensors)
+    again = dict(engine.stream(engine.plan(), device="cuda:0"))
+    torch.cuda.synchronize()
+    assert again.keys() == truth.keys() and all(_bytes_equal(again[n], truth[n]) for n in truth)
+    assert _staging_ring_only(), "a reload registers nothing more"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_abandoning_a_staged_load_waits_for_its_copies_and_keeps_only_the_staging_ring(many_batches):
+    directory, truth = many_batches
+    engine = _engine(directory, budget=32 * KIB, slot=8 * KIB, ring=False)
+    stream = engine.stream(engine.plan(), device="cuda:0")
+    for _ in range(500):
+        name, tensor = next(stream)
+        assert _bytes_equal(tensor, truth[name])
+    stream.close()
+    assert _staging_ring_only()
+    got = dict(engine.stream(engine.plan(), device="cuda:0"))  # the ring was given back: usable again
+    torch.cuda.synchronize()
+    assert all(_bytes_equal(got[n], truth[n]) for n in truth)
+
+
+def _copy_checkpoint(source: Path, target: Path) -> Path:
+    target.mkdir()
+    for path in source.iterdir():
+        (target / path.name).write_bytes(path.read_bytes())
+    return target
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_a_staged_load_of_a_file_shorter_than_its_header_says_names_the_tensor(many_batches, tmp_path):
+    from streamer_client.errors import ObjectChangedError
+
+    source, truth = many_batches
+    directory = _copy_checkpoint(source, tmp_path / "ckpt")
+    engine = _engine(directory, budget=32 * KIB, slot=8 * KIB, ring=False)  # no version checks: the bytes' own check
+    plan = engine.plan()
+    last = max((t for t in plan.tensors if t.nbytes), key=lambda t: (t.file, t.end))  # a file's last tensor
+    path = directory / last.file
+    os.truncate(path, last.end - 1)
+    got = {}
+    with pytest.raises(ObjectChangedError) as caught:
+        for name, tensor in engine.stream(plan, device="cuda:0"):
+            got[name] = tensor
+    assert str(caught.value) == (
+        f"{path}: bytes [{last.offset}, {last.end}): End of file: the file has {last.end - 1} bytes, fewer than "
+        f"the checkpoint's header says; tensors {last.name!r}"
+    )
+    assert caught.value.key == last.name and last.name not in got
+    torch.cuda.synchronize()
+    assert got and all(_bytes_equal(t, truth[n]) for n, t in got.items())  # every batch before it, exact
+    assert _staging_ring_only()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_a_staged_load_of_a_file_changed_since_its_header_was_read_delivers_nothing_of_it(many_batches, tmp_path):
+    from streamer_client.errors import ObjectChangedError
+
+    source, _ = many_batches
+    directory = _copy_checkpoint(source, tmp_path / "ckpt")
+    engine = _engine(directory, budget=32 * KIB, slot=8 * KIB, ring=False, versions=True)
+    plan = engine.plan()
+    first = plan.batches[0].files[0]
+    stat = (directory / first).stat()
+    os.utime(directory / first, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # rewritten in place, same size
+    got = []
+    with pytest.raises(
+        ObjectChangedError, match=f"^{re.escape(str(directory / first))} changed while it was being loaded"
+    ) as caught:
+        for name, _ in engine.stream(plan, device="cuda:0"):
+            got.append(name)
+    assert caught.value.key == first and got == []
+    assert _staging_ring_only()
+
+
 # --------------------------------------------------------------------------- a few GB
 
 
@@ -579,25 +695,21 @@ def _check_against_truth(directory: Path, got: dict[str, torch.Tensor], device: 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_a_few_gb_checkpoint_loads_byte_exact_through_the_public_api(few_gb_checkpoint):
-    # A 1 GiB budget of 256 MiB slots: every slot is reused several times; the embedding is oversized
-    # (it arrives in parts through the slots).
+    # Staged through the 3 x 32 MiB staging ring: every slot is reused many times; the 320 MiB
+    # embedding crosses windows.
     from streamer_service.embedded.buffers import pinned_pool
 
-    pool = pinned_pool()
-    try:
-        got = streamer_client.load_state_dict(few_gb_checkpoint, device="cuda:0", budget="1GiB")
-        torch.cuda.synchronize()
-        _check_against_truth(few_gb_checkpoint, got, torch.device("cuda", 0))
-        del got
-        pinned = pool.stats.pinned
-        assert registered_ranges() == pool.idle_ranges() != {}  # the ring, kept for the next load
-        again = streamer_client.load_state_dict(few_gb_checkpoint, device="cuda:0", budget="1GiB")
-        torch.cuda.synchronize()
-        _check_against_truth(few_gb_checkpoint, again, torch.device("cuda", 0))
-        assert pool.stats.pinned == pinned, "a reload in the same process registers nothing"
-    finally:
-        pool.close()
-    assert registered_ranges() == {}
+    got = streamer_client.load_state_dict(few_gb_checkpoint, device="cuda:0", budget="1GiB")
+    torch.cuda.synchronize()
+    _check_against_truth(few_gb_checkpoint, got, torch.device("cuda", 0))
+    del got
+    # Staged from the files' mappings: the staging ring is all that is page-locked, kept.
+    assert pinned_pool().stats.pinned == 0 and _staging_ring_only()
+    again = streamer_client.load_state_dict(few_gb_checkpoint, device="cuda:0", budget="1GiB")
+    torch.cuda.synchronize()
+    _check_against_truth(few_gb_checkpoint, again, torch.device("cuda", 0))
+    assert _staging_ring_only(), "a reload in the same process registers nothing"
+    release_process_pins()  # and nothing else is left page-locked
 
 
 _RANK_SCRIPT = textwrap.dedent(

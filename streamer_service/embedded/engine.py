@@ -3,9 +3,11 @@
 Data path (docs/architecture.md): every batch of the plan gets a buffer we allocated;
 Run:ai's native reader writes each range directly into it (no copy through
 Python); tensors are built over those bytes in plan order. A load of a local
-directory to a CUDA device reads through :mod:`~streamer_service.readers.mapped`
-instead (the files mapped, the ranges copied into the buffer by native
-threads; same interface, same buffers).
+directory to a CUDA device, where the mapped reader is chosen
+(:mod:`~streamer_service.readers.choice`), has no ring and no reader: its tensors
+are copied from the files' mappings through the process's small staging ring to
+the device, as a daemon's rank copies from its segments
+(:mod:`~streamer_service.embedded.staged`). Everything below is the ring's.
 
 Buffers:
 
@@ -87,7 +89,7 @@ from ..checkpoint.plan import select as select_tensors
 from ..checkpoint.versions import ObjectVersions
 from ..load.pipeline import Load, Pipeline, Versions
 from ..readers.base import Reader, ReaderFactory
-from ..readers.choice import open_reader, reader_for
+from ..readers.choice import open_reader, reader_for, reads_mappings
 from ..readers.runai import storage_environment
 from ..settings import Settings
 from ..sizing import in_flight_bytes, ring_slots, slot_bytes
@@ -214,11 +216,24 @@ class EmbeddedEngine:
                 raise CheckpointError(f"tensor {tensor.name!r}: {exc}", key=tensor.name) from None
 
     def _run(self, plan: Plan, device: torch.device, borrowed: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        factory = self._reader_factory
+        if factory is None:  # a CPU load's tensors are the bytes read: into the caller's memory
+            factory = reader_for(self.uri, self.config.local_reader, into_callers_memory=device.type != "cuda")
+        if device.type == "cuda" and reads_mappings(factory):
+            # Local files to a device: staged from their mappings, no ring of ours.
+            from .staged import StagedFiles
+
+            try:
+                yield from StagedFiles(self.uri, plan, device, self.stats, self._versions).run()
+            finally:
+                if self._versions is not None:
+                    self._versions.close()
+            return
         pool = (self._pool or pinned_pool()) if device.type == "cuda" else None
         plan, ring = self._ring_for(plan, pool)
         stream = _Stream(self.uri, plan, ring, self.stats, device, borrowed, self._versions, self.config.in_flight)
         try:
-            with self._open_reader(device) as reader:
+            with open_reader(self.uri, factory, dict(self.config.storage_environment)) as reader:
                 yield from stream.run(reader)
         finally:
             # After runai_end: only now is no read in flight into any of these buffers.
@@ -250,12 +265,6 @@ class EmbeddedEngine:
             # idle slots fit it; never past the plan's slot size (so never past the budget).
             slot_bytes = max(slot_bytes, min(-(-slot_bytes // _SLOT_GRANULE) * _SLOT_GRANULE, plan.slot_size))
         return slot_bytes
-
-    def _open_reader(self, device: torch.device) -> Reader:
-        factory = self._reader_factory
-        if factory is None:  # a CPU load's tensors are the bytes read: into the caller's memory
-            factory = reader_for(self.uri, self.config.local_reader, into_callers_memory=device.type != "cuda")
-        return open_reader(self.uri, factory, dict(self.config.storage_environment))
 
     def __repr__(self) -> str:
         return f"EmbeddedEngine({self.uri.normalized!r}, {self.config}, {self.stats})"

@@ -41,7 +41,7 @@ from ..readers.base import FileReads, RangeResult, Reader, ReadRange
 from ..sizing import submission_size
 from ..uri import StorageURI
 
-__all__ = ["CHECK_POLL_S", "Buffer", "Load", "LoadStats", "Pipeline", "Versions"]
+__all__ = ["CHECK_POLL_S", "Buffer", "Load", "LoadStats", "Pipeline", "Versions", "naming_tensors"]
 
 CHECK_POLL_S = 0.001
 """While the head batch waits for its version check, the loop waits this long at a time for its
@@ -296,6 +296,10 @@ class Pipeline:
             and p.tensor.offset < failed.range.end
             and p.tensor.end > failed.range.offset
         ]
-        shown = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-        error = failed.error
-        return type(error)(f"{error.message}; tensors {shown}", uri=error.uri, key=names[0] if names else None)
+        return naming_tensors(failed.error, names)
+
+
+def naming_tensors(error: StorageError, names: list[str]) -> StorageError:
+    """``error`` (a failed read) naming the tensors its range held (the first as its key)."""
+    shown = ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return type(error)(f"{error.message}; tensors {shown}", uri=error.uri, key=names[0] if names else None)

@@ -12,19 +12,24 @@
   operator has not set Run:ai's strategy, and the bytes do not go to memory the caller keeps: an
   in-process CPU load reads with Run:ai straight into the caller's memory (a mapping would not
   be faster there, and would count the checkpoint's pages in the process's RSS while kept).
+  A load to a CUDA device for which it is chosen does not use it: the files' mappings are its
+  sources, staged straight to the device (``embedded.staged``, :func:`reads_mappings`).
 - Everything else: Run:ai's :class:`~streamer_service.readers.runai.reader.NativeReader`.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
 
 from ..uri import StorageURI
 from .base import Reader, ReaderFactory
 from .runai import BUFFERED_FS_STRATEGY, FS_STRATEGY_ENV
 
-__all__ = ["fs_strategy_for", "local_reader_in_force", "open_reader", "operator_fs_strategy", "reader_for"]
+__all__ = [
+    "fs_strategy_for", "local_reader_in_force", "open_reader", "operator_fs_strategy", "reader_for", "reads_mappings",
+]  # fmt: skip
 
 
 def operator_fs_strategy() -> str | None:
@@ -64,6 +69,13 @@ def reader_for(uri: StorageURI, local_reader: str = "mapped", *, into_callers_me
     from .runai.reader import NativeReader
 
     return NativeReader
+
+
+def reads_mappings(factory: ReaderFactory) -> bool:
+    """Whether ``factory`` is the mapped reader's: a device load it would read copies straight
+    from the files' mappings instead (``embedded.staged``)."""
+    mapped = sys.modules.get(f"{__package__}.mapped")  # imported wherever the mapped reader was chosen
+    return mapped is not None and factory is mapped.MappedReader
 
 
 def open_reader(uri: StorageURI, factory: ReaderFactory, environment: Mapping[str, str] | None = None) -> Reader:

@@ -56,7 +56,7 @@ from streamer_client.per_process import PerProcess
 
 from .base import FileReads, RangeResult, ReadRange
 
-__all__ = ["IDLE_S", "FileMaps", "MappedReader", "available", "file_maps"]
+__all__ = ["IDLE_S", "FileMaps", "MappedReader", "available", "cut_short", "file_maps", "shorter", "unmappable"]
 
 IDLE_S = 30.0  # a file mapping no load used for this long is dropped
 
@@ -269,14 +269,12 @@ class MappedReader:
                 mapping = self._maps.open(file.path)
             except OSError as exc:
                 for ri, read in enumerate(file.ranges):
-                    errors[fi, ri] = StorageError(
-                        f"{read.where(file.path)}: cannot open or map: {exc.strerror or exc}", uri=file.path
-                    )
+                    errors[fi, ri] = unmappable(file.path, read, exc)
                 continue
             sources.append(mapping)
             for ri, read in enumerate(file.ranges):
                 if read.end > mapping.size:
-                    errors[fi, ri] = _shorter(file.path, read, mapping.size)
+                    errors[fi, ri] = shorter(file.path, read, mapping.size)
                     continue
                 dsts.append(read.dst)
                 srcs.append(mapping.address + read.offset)
@@ -305,9 +303,7 @@ class MappedReader:
                     fi, ri = submission.copies[failed]
                     file = submission.files[fi]
                     read = file.ranges[ri]
-                    errors[fi, ri] = ObjectChangedError(
-                        f"{read.where(file.path)}: the file was cut short while it was read", uri=file.path
-                    )
+                    errors[fi, ri] = cut_short(file.path, read)
             self._live.popleft()
             answers = [(fi, ri) for fi, file in enumerate(submission.files) for ri in range(len(file.ranges))]
             for n, (fi, ri) in enumerate(answers):
@@ -324,7 +320,22 @@ class MappedReader:
 _wait = copier.wait
 
 
-def _shorter(path: str, read: ReadRange, size: int) -> ObjectChangedError:
+# --------------------------------------------------------------------------- errors
+# What every read of a mapped file fails with (this reader's and a staged device load's).
+
+
+def unmappable(path: str, read: ReadRange, exc: OSError) -> StorageError:
+    """The file could not be opened or mapped (missing, unreadable)."""
+    return StorageError(f"{read.where(path)}: cannot open or map: {exc.strerror or exc}", uri=path)
+
+
+def shorter(path: str, read: ReadRange, size: int) -> ObjectChangedError:
+    """The range ends past the file's end (``size`` when mapped): nothing of it is copied."""
     return ObjectChangedError(
         f"{read.where(path)}: End of file: the file has {size} bytes, fewer than the checkpoint's header says", uri=path
     )
+
+
+def cut_short(path: str, read: ReadRange) -> ObjectChangedError:
+    """The file was cut short under its mapping while the range was copied (SIGBUS, caught)."""
+    return ObjectChangedError(f"{read.where(path)}: the file was cut short while it was read", uri=path)
