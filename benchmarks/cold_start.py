@@ -287,7 +287,8 @@ class Row:
     name: str  # the label printed
     kind: str  # the loader (MODULES)
     source: str  # "disk" (page cache), "4k" (/dev/shm) or "thp" (the huge=always tmpfs)
-    daemon: str | None = None  # which daemon's env the ranks get
+    daemon: str | None = None  # which daemon's env the ranks get ("...-thp": its shm on the huge=always tmpfs)
+    pin: str | None = None  # the ranks' STREAMER_PIN_SEGMENTS (None: the default, auto)
     world: int = 1
     independent: bool = False  # ``world`` processes, each its own load (world_size 1)
     reserve: bool = False  # diagnostic: the load's device memory allocated and freed before the clock
@@ -311,11 +312,21 @@ def rows_for(thp: bool) -> list[Row]:
             target=">= 0.9 x IT 4k"),
         Row("the same, daemon's shm on huge=always tmpfs", "ours", "disk", daemon="retain-thp"),
         Row("daemon, 1 rank, cold on a warm daemon, page cache", "ours", "disk", daemon="plain", target=">= 25 GB/s"),
+        Row("  the same, daemon's shm on huge=always tmpfs (diagnostic)", "ours", "disk", daemon="plain-thp"),
+        Row("  the same, its segments page-locked by the rank (diagnostic)", "ours", "disk", daemon="plain-thp",
+            pin="always"),
         Row("daemon, 4 fresh ranks replicated, page cache (wall)", "ours", "disk", daemon="plain", world=4,
             target="<= 0.25 x Run:ai x4"),
+        Row("  the same, 4 ranks, daemon's shm on huge=always tmpfs, segments page-locked (diagnostic)", "ours", "disk",
+            daemon="plain-thp", world=4, pin="always"),
         Row("plain Run:ai, 4 independent fresh ranks, page cache (wall)", "runai", "disk", world=4, independent=True),
     ]  # fmt: skip
-    return [r for r in rows if thp or (r.source != "thp" and r.daemon != "retain-thp")]
+    return [r for r in rows if thp or (r.source != "thp" and not on_thp(r))]
+
+
+def on_thp(row: Row) -> bool:
+    """Whether the row's daemon keeps its shared memory on the huge=always tmpfs."""
+    return (row.daemon or "").endswith("-thp")
 
 
 BASELINE = " [baseline]"  # a --baseline twin's name: its row's, and this
@@ -468,7 +479,7 @@ def table(rows: list[Row]) -> list[dict]:
         if r.name not in firsts:
             continue
         seconds, rate = firsts[r.name]
-        anchor = it.get("thp" if r.source == "thp" or r.daemon == "retain-thp" else "4k")
+        anchor = it.get("thp" if r.source == "thp" or on_thp(r) else "4k")
         ratio = (anchor[0] / seconds) if anchor else None
         again = reloads.get(r.name, (None, None))[1]
         bad = sum(load["bad"] for go in r.loads for proc in go for load in proc)
@@ -582,7 +593,7 @@ def orchestrate(args) -> None:
             shm_dir = None
             if name.startswith("retain"):
                 env["STREAMER_RETENTION_BUDGET"] = f"{int(args.size_gb * 2 + 4)}GiB"
-            if name == "retain-thp":
+            if name.endswith("-thp"):
                 shm_dir = Path(tempfile.mkdtemp(prefix="daemon-", dir=thp))
             daemons[name] = ChildDaemon(root, f"{int(args.size_gb + 4)}GiB", env=env, shm_dir=shm_dir)
             page = daemons[name].client.call("/readyz").get("shm_page_size")
@@ -594,6 +605,8 @@ def orchestrate(args) -> None:
                 env.update(RUNAI_ENV)
             if row.daemon:
                 env.update(daemons[row.daemon].env())
+            if row.pin:
+                env["STREAMER_PIN_SEGMENTS"] = row.pin
             return env
 
         # Round 0 is not counted: bytecode, the metadata caches, each daemon's first load (a retaining
