@@ -449,6 +449,16 @@ def _slow_copies(monkeypatch, cycles: int = 20_000_000) -> None:
     monkeypatch.setattr(PinnedCopier, "copy_pieces", copy_pieces)
 
 
+def _stream_checked(engine, plan, truth: dict[str, torch.Tensor]) -> None:
+    """Stream ``plan`` to cuda:0, each tensor checked at once on the current stream, in plan order."""
+    names = []
+    for name, tensor in engine.stream(plan, device="cuda:0"):
+        assert tensor.device == torch.device("cuda", 0)
+        assert _bytes_equal(tensor, truth[name]), name
+        names.append(name)
+    assert names == [t.name for t in plan.tensors]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("slots", [1, 3])
@@ -459,12 +469,7 @@ def test_engine_recycles_a_slot_only_after_its_copies_completed(many_batches, mo
     engine = _engine(directory, budget=slots * slot, slot=slot)
     plan = engine.plan()
     assert len(plan.batches) > 3 * slots
-    names = []
-    for name, tensor in engine.stream(plan, device="cuda:0"):
-        assert tensor.device == torch.device("cuda", 0)
-        assert _bytes_equal(tensor, truth[name]), name  # used at once, on the current stream
-        names.append(name)
-    assert names == [t.name for t in plan.tensors]
+    _stream_checked(engine, plan, truth)
     assert engine.stats.buffer_bytes == 0
     # The oversized tensor came in parts through the slots: no buffer of its own, none kept.
     assert plan.oversized_bytes and engine.stats.peak_buffer_bytes <= slots * slot
@@ -564,12 +569,7 @@ def test_a_local_device_load_is_staged_from_the_files_mappings(many_batches, mon
     _slow_copies(monkeypatch)  # a staging slot reused before its copies completed would corrupt tensors
     engine = _engine(directory, budget=32 * KIB, slot=8 * KIB, ring=False)
     plan = engine.plan()
-    names = []
-    for name, tensor in engine.stream(plan, device="cuda:0"):
-        assert tensor.device == torch.device("cuda", 0)
-        assert _bytes_equal(tensor, truth[name]), name  # used at once, on the current stream
-        names.append(name)
-    assert names == [t.name for t in plan.tensors]
+    _stream_checked(engine, plan, truth)
     assert {str(p) for p in directory.glob("*.safetensors")} <= set(file_maps().paths())
     # No ring of the engine's: nothing of its pool, only the process's staging ring is page-locked.
     assert engine.stats.peak_buffer_bytes == 0 and engine.pool.stats.pinned == 0

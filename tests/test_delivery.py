@@ -224,6 +224,49 @@ def test_held_windows_are_finished_by_the_next_copy_and_a_cut_short_one_names_it
         mapping.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA or not copier.available(), reason="needs CUDA and the native copier")
+def test_staged_batches_are_finished_in_order_once_their_last_window_is_copied_out(tmp_path):
+    """``copy_batch`` names what each call finishes: the batch held before (its last window
+    finished by this call's first), and this one unless its last window is held; a batch of no
+    items finishes at once; ``flush_batch`` finishes the held one; ``abandon`` drops it."""
+    from streamer_client.cuda import PinnedCopier
+
+    window = delivery.STAGING_SLOT_BYTES
+    size = 2 * window
+    data, _, mapping, array = _mapped_source(tmp_path, size, seed=13)
+    base = array.ctypes.data
+    cut = window + window // 2
+    batches = {"a": [(0, 1000), (1000, cut)], "b": [(cut, size)]}  # "a" ends in the middle of its second window
+    pinned = PinnedCopier("cuda:0")
+    staging = delivery.Staging(pinned)
+    fault = lambda i: AssertionError(i)  # noqa: E731
+    try:
+        items = {k: [(base + a, "U8", (b - a,)) for a, b in spans] for k, spans in batches.items()}
+        assert staging.copy_batch("a", items["a"], fault, hold=True) == []  # its last window still filling
+        finished = staging.copy_batch("b", items["b"], fault, hold=True)
+        assert [k for k, _ in finished] == ["a"] and staging.holding
+        assert [k for k, _ in staging.copy_batch("empty", [], fault, hold=True)] == ["b", "empty"]
+        assert staging.flush_batch() == [] and not staging.holding
+        torch.cuda.synchronize()
+        got = finished[0][1]
+        assert b"".join(t.cpu().numpy().tobytes() for t in got) == data[:cut].tobytes()
+
+        assert staging.copy_batch("c", items["b"], fault, hold=True) == []
+        [(key, outs)] = staging.flush_batch()
+        torch.cuda.synchronize()
+        assert key == "c" and outs[0].cpu().numpy().tobytes() == data[cut:].tobytes()
+
+        staging.copy_batch("d", items["a"], fault, hold=True)
+        staging.abandon()  # "d" is dropped, never finished
+        assert staging.flush_batch() == [] and [k for k, _ in staging.copy_batch("e", items["b"], fault)] == ["e"]
+    finally:
+        staging.close()
+        pinned.close()
+        del array
+        mapping.close()
+
+
 @pytest.mark.skipif(
     not copier.available() or not hasattr(__import__("mmap"), "MADV_HUGEPAGE"), reason="needs the native copier and THP"
 )

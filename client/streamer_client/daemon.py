@@ -142,7 +142,6 @@ class _Receiver:
         self._in_hand: weakref.ref | None = None
         self._copier = None
         self._staging: delivery.Staging | None = None
-        self._held: tuple[list[Handle], list[torch.Tensor]] | None = None  # staged, its last window still filling
         staged = False
         if borrowed:
             self._segments = _PrivateSegments(shm_dir)
@@ -177,7 +176,7 @@ class _Receiver:
                     self._copier.poll()
                     # Staged batches are released once staged: pending copies hold no batch.
                     pending = self._staging is None and self._copier.pending > 0
-                holding = self._held is not None
+                holding = self._staging is not None and self._staging.holding
                 release, self._release[:] = list(self._release), []  # one list: callbacks append to it
                 wait_s = 0.0 if pending or holding else POLL_WAIT_S
                 reply = NextReply.from_wire(self._client.call(self._next, protocol.NextRequest(release, wait_s).to_wire()))
@@ -228,9 +227,8 @@ class _Receiver:
     def _stop_staging(self) -> None:
         """A load that ends early: a window still being filled reads this rank's segments, so it is
         waited for before the daemon hears that the rank left."""
-        self._held = None  # its tensors were never handed out
         if self._staging is not None:
-            self._staging.abandon()
+            self._staging.abandon()  # the held batch's tensors were never handed out
 
     def _delivered(self, batch: list[Handle]) -> Iterator[tuple[str, torch.Tensor]]:
         if self._copier is not None:
@@ -269,22 +267,18 @@ class _Receiver:
             with_bytes = [h for h in batch if h.segment is not None]
             items = [(self._segments.segment(h.segment).address + h.offset, h.dtype, h.shape) for h in with_bytes]
             hold = k + 1 < len(batches) or not last
-            staged = iter(self._staging.copy(items, functools.partial(_cut_short, with_bytes), hold=hold))
-            tensors = [next(staged) if h.segment is not None else _empty(h, self._device) for h in batch]
-            previous, self._held = self._held, None
-            holding = self._staging.holding
-            if previous is not None:  # this copy finished the window the batch before left filling
-                yield from self._hand_out(*previous)
-            if holding:
-                self._held = (batch, tensors)
-            else:
-                yield from self._hand_out(batch, tensors)
+            for done, outs in self._staging.copy_batch(batch, items, functools.partial(_cut_short, with_bytes), hold=hold):
+                yield from self._hand_out(done, self._with_empties(done, outs))
 
     def _finish_held(self) -> Iterator[tuple[str, torch.Tensor]]:
         """No batch came to follow the held one: finish its window, hand it out."""
-        self._staging.flush()
-        held, self._held = self._held, None
-        yield from self._hand_out(*held)
+        for done, outs in self._staging.flush_batch():
+            yield from self._hand_out(done, self._with_empties(done, outs))
+
+    def _with_empties(self, batch: list[Handle], staged: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The batch's tensors in its order: the staged ones, and new empty ones for handles of no bytes."""
+        staged.reverse()
+        return [staged.pop() if h.segment is not None else _empty(h, self._device) for h in batch]
 
     def _hand_out(self, batch: list[Handle], tensors: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
         """A batch whose bytes are all copied out: released, then its tensors yielded."""

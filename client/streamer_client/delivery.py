@@ -27,7 +27,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import torch
@@ -51,6 +51,8 @@ STAGING_SLOTS = 3
 """The staging ring: 3 x 32 MiB page-locked, InstantTensor's choice (one window filling, one or two
 copying to the device), made of :func:`~streamer_client.host_memory.anonymous` memory, faulted in
 on the copier's threads and registered once per process, on its first staged load."""
+
+K = TypeVar("K")  # what names a batch staged by Staging.copy_batch
 
 _HUGE_MIN_BYTES = 4 * 1024 * 1024
 """Owned CPU tensors of this size or more are advised for transparent huge pages before they are
@@ -200,6 +202,8 @@ class Staging:
     Successive :meth:`copy` calls may form one stream of windows (``hold``): the last window of
     one call is queued to the device by the next call, once the next call's first window is
     being filled, so that the copier's threads never wait for the caller between calls.
+    :meth:`copy_batch` does it by batch and says which batches each call finished (both modes
+    stage that way: a daemon's rank its segments, an embedded load its files' mappings).
 
     Not thread-safe: the thread that drives ``pinned`` (a :class:`PinnedCopier`) drives this.
     :meth:`close` gives the ring back after every copy out of it has completed.
@@ -215,6 +219,7 @@ class Staging:
             self._finish()
             raise
         self._filling: _Filling | None = None
+        self._held: tuple[Any, list[torch.Tensor]] | None = None  # (key, tensors) of copy_batch's held batch
         self._closed = False
 
     def copy(
@@ -256,6 +261,35 @@ class Staging:
             self.abandon()
             raise
         return outs
+
+    def copy_batch(
+        self,
+        key: K,
+        items: Sequence[tuple[int, str, Sequence[int]]],
+        fault: Callable[[int], BaseException],
+        *,
+        hold: bool = False,
+    ) -> list[tuple[K, list[torch.Tensor]]]:
+        """:meth:`copy` of one batch (``key`` names it), in the stream of windows of every batch:
+        the batches finished by this call, in order, each with its tensors: every source of them
+        read, every tensor fenced. The batch before this one is finished now (its last window was
+        queued when this one's first was filled, or flushed); this one too unless ``hold`` left
+        its last window filling, in which case the next :meth:`copy_batch` or :meth:`flush_batch`
+        finishes it. A batch of no items finishes at once."""
+        outs = self.copy(items, fault, hold=hold)
+        finished = [self._held] if self._held is not None else []
+        self._held = None
+        if self.holding:
+            self._held = (key, outs)
+        else:
+            finished.append((key, outs))
+        return finished
+
+    def flush_batch(self) -> list[tuple[Any, list[torch.Tensor]]]:
+        """Finish the batch :meth:`copy_batch` left held, if any: it, with its tensors."""
+        self.flush()
+        held, self._held = self._held, None
+        return [held] if held is not None else []
 
     @property
     def holding(self) -> bool:
@@ -319,6 +353,7 @@ class Staging:
         """A copy failed, or the load ends with a window still held: wait for the window being
         filled (its threads write into a slot of ours and read sources the caller may free once
         we return) and take its slot back; its tensors were never handed out."""
+        self._held = None  # its tensors were never handed out
         filling, self._filling = self._filling, None
         if filling is not None:
             if filling.ticket is not None:

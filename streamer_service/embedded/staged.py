@@ -70,29 +70,18 @@ class StagedFiles:
         try:
             delivery.reserve(self._device, [t.nbytes for t in self._plan.tensors])
             staging = delivery.Staging(pinned)
-            held: tuple[Batch, list[torch.Tensor]] | None = None  # its last window still being filled
             batches = self._plan.batches
             for k, batch in enumerate(batches):
                 tensors = [p.tensor for p in batch.placements]
                 try:
                     items = self._sources(tensors)
                 except StorageError:
-                    if held is not None:  # every batch before the failed one is delivered
-                        staging.flush()
-                        yield from self._hand_out(*held)
+                    for done, outs in staging.flush_batch():  # every batch before the failed one is delivered
+                        yield from self._hand_out(done, outs)
                     raise
-                copied = iter(staging.copy(items, functools.partial(self._cut_short, tensors), hold=k + 1 < len(batches)))
-                outs = [next(copied) if t.nbytes else delivery.empty(t.dtype, t.shape, self._device) for t in tensors]
-                previous, held = held, None
-                if previous is not None:  # this copy finished the window the batch before left filling
-                    yield from self._hand_out(*previous)
-                if staging.holding:
-                    held = (batch, outs)
-                else:
-                    yield from self._hand_out(batch, outs)
-            if held is not None:
-                staging.flush()
-                yield from self._hand_out(*held)
+                fault = functools.partial(self._cut_short, tensors)
+                for done, outs in staging.copy_batch(batch, items, fault, hold=k + 1 < len(batches)):
+                    yield from self._hand_out(done, outs)
         finally:
             try:
                 if staging is not None:
@@ -125,18 +114,20 @@ class StagedFiles:
         t = [u for u in tensors if u.nbytes][i]
         return naming_tensors(cut_short(self._uri.child(t.file), _range(t)), [t.name])
 
-    def _hand_out(self, batch: Batch, outs: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-        """A batch whose bytes are all copied out of its files: checked, then its tensors yielded."""
+    def _hand_out(self, batch: Batch, staged: list[torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+        """A batch whose bytes are all copied out of its files (``staged``: the tensors with
+        bytes): checked, then its tensors yielded."""
         if self._versions is not None and batch.ranges:
             self._versions.check(batch, time.monotonic())
         nbytes = sum(p.tensor.nbytes for p in batch.placements)
         self._stats.bytes_read += nbytes
         self._stats.bytes_copied += nbytes
-        outs.reverse()
+        staged.reverse()
         for placement in batch.placements:
-            tensor = outs.pop()
+            t = placement.tensor
+            tensor = staged.pop() if t.nbytes else delivery.empty(t.dtype, t.shape, self._device)
             self._stats.tensors += 1
-            yield placement.tensor.name, tensor
+            yield t.name, tensor
             del tensor
 
 
