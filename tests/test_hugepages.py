@@ -16,6 +16,7 @@ import pytest
 import yaml
 from daemon_harness import DaemonProcess, finish, finish_failed, leftovers
 
+from streamer_client import protocol
 from streamer_service.daemon.pages import SMALL_PAGE, Pages, detect_pages
 
 MIB = 2**20
@@ -81,6 +82,15 @@ def _readyz_and_page_gauge(d: DaemonProcess) -> tuple[dict, float]:
     return ready, float(line.split()[1])
 
 
+def _joined_page_size(d: DaemonProcess, uri: str) -> int:
+    """The segments' page size a rank's join is told (the rank then leaves at once)."""
+    join = protocol.JoinRequest(uri=uri, session="pages", rank=0, world_size=1)
+    with d.client() as c:
+        reply = protocol.JoinReply.from_wire(c.post(protocol.JOIN_PATH, json=join.to_wire()).json())
+        c.post(protocol.rank_path(reply.session_id, 0, "leave"), json=protocol.LeaveRequest().to_wire()).raise_for_status()
+    return reply.shm_page_size
+
+
 def _daemon_on(tmp_path, mount: str, **env: str) -> DaemonProcess:
     """A daemon (16 MiB budget) whose shm dir is ``mount`` (see DaemonProcess) in its own namespace."""
     env = {"STREAMER_CACHE_DIR": str(tmp_path / "cache"), **env}
@@ -94,6 +104,7 @@ def test_daemon_on_a_huge_page_tmpfs_makes_whole_page_segments_and_says_so(sampl
     try:
         ready, gauge = _readyz_and_page_gauge(d)
         assert (ready["shm_page_size"], ready["shm_pages"], gauge) == (2 * MIB, "tmpfs huge=always", 2 * MIB)
+        assert _joined_page_size(d, str(sample)) == 2 * MIB  # a CUDA rank then page-locks (STREAMER_PIN_SEGMENTS=auto)
         result = finish(d.start_rank(str(sample), 0, 1, sample, None))
         assert result["bad"] == [] and result["got"]
         # The resident copy's segments stay: each a whole number of 2 MiB pages (ring slots of
@@ -113,7 +124,7 @@ def test_daemon_on_small_pages_warns_once_with_what_to_do(sample, tmp_path):
     d = DaemonProcess(tmp_path, {"STREAMER_CACHE_DIR": str(tmp_path / "cache")}).start()
     try:
         ready, gauge = _readyz_and_page_gauge(d)
-        assert ready["shm_page_size"] == gauge == SMALL_PAGE
+        assert ready["shm_page_size"] == gauge == SMALL_PAGE == _joined_page_size(d, str(sample))
         for _ in range(2):  # loads do not repeat it
             assert finish(d.start_rank(str(sample), 0, 1, sample, None))["bad"] == []
     finally:

@@ -85,6 +85,25 @@ def test_request_bodies_are_accepted_by_the_daemon_as_the_client_builds_them():
     assert protocol.MetadataReply.from_wire(_wire(protocol.MetadataReply("/cache/x"))) == protocol.MetadataReply("/cache/x")
 
 
+def test_a_join_reply_carries_the_segments_page_size_and_an_older_daemon_s_reads_as_unknown():
+    reply = protocol.JoinReply("s1", 3, 4096, "/cache/m", "/dev/shm/streamer", 2 << 20)
+    assert protocol.JoinReply.from_wire(_wire(reply)) == reply
+    older = {k: v for k, v in reply.to_wire().items() if k != "shm_page_size"}
+    assert protocol.JoinReply.from_wire(older).shm_page_size == 0
+
+
+def test_a_cuda_rank_stages_only_a_first_load_of_small_page_segments_with_auto(monkeypatch):
+    from streamer_client import daemon
+
+    monkeypatch.setattr(daemon.copier, "available", lambda: True)
+    assert daemon._staged("auto", reloading=False, huge_pages=False)
+    assert not daemon._staged("auto", reloading=True, huge_pages=False)
+    assert not daemon._staged("auto", reloading=False, huge_pages=True)  # registering huge pages is cheap
+    assert [daemon._staged(p, False, huge) for p in ("never", "always") for huge in (False, True)] == [True, True, False, False]
+    monkeypatch.setattr(daemon.copier, "available", lambda: False)  # no copier: no staging ring either
+    assert not daemon._staged("auto", reloading=False, huge_pages=False)
+
+
 def test_error_texts_are_clipped_to_the_limit_keeping_start_end_and_the_count():
     assert protocol.clipped(None) is None
     exact = "e" * protocol.ERROR_TEXT_LIMIT

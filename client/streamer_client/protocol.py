@@ -140,6 +140,7 @@ class JoinReply:
     bytes: int  # ... and their bytes
     metadata_dir: str
     shm_dir: str  # where the segments are, as the daemon sees it (STREAMER_SHM_DIR overrides it)
+    shm_page_size: int = 0  # the page size backing the segments (0: a daemon that does not say)
 
     def to_wire(self) -> dict:
         return {
@@ -148,11 +149,15 @@ class JoinReply:
             "bytes": self.bytes,
             "metadata_dir": self.metadata_dir,
             "shm_dir": self.shm_dir,
+            "shm_page_size": self.shm_page_size,
         }
 
     @classmethod
     def from_wire(cls, data: dict) -> JoinReply:
-        return cls(data["session_id"], data["tensors"], data["bytes"], data["metadata_dir"], data["shm_dir"])
+        return cls(
+            data["session_id"], data["tensors"], data["bytes"], data["metadata_dir"], data["shm_dir"],
+            data.get("shm_page_size", 0),
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -301,8 +301,10 @@ def create_app(settings: Settings) -> FastAPI:
         rank = await anyio.to_thread.run_sync(session.joined, body.rank)
         # The shm dir as the daemon sees it; STREAMER_SHM_DIR overrides it in a rank that mounts
         # the same dir elsewhere.
-        shm_dir = str(daemon(request).store.shm_dir)
-        return JoinReply(session.id, rank.to_hand_out, rank.nbytes, str(session.checkpoint.metadata_dir), shm_dir).to_wire()
+        store = daemon(request).store
+        return JoinReply(
+            session.id, rank.to_hand_out, rank.nbytes, str(session.checkpoint.metadata_dir), str(store.shm_dir), store.pages.size
+        ).to_wire()
 
     @app.post("/v1/sessions/{session_id}/ranks/{rank}/next")
     async def next_handles(session_id: str, rank: int, body: NextRequest, request: Request) -> dict:
