@@ -52,7 +52,7 @@ STAGING_SLOTS = 3
 copying to the device), made of :func:`~streamer_client.host_memory.anonymous` memory, faulted in
 on the copier's threads and registered once per process, on its first staged load."""
 
-K = TypeVar("K")  # what names a batch staged by Staging.copy_batch
+_Key = TypeVar("_Key")  # what names a batch staged by Staging.copy_batch
 
 _HUGE_MIN_BYTES = 4 * 1024 * 1024
 """Owned CPU tensors of this size or more are advised for transparent huge pages before they are
@@ -264,12 +264,12 @@ class Staging:
 
     def copy_batch(
         self,
-        key: K,
+        key: _Key,
         items: Sequence[tuple[int, str, Sequence[int]]],
         fault: Callable[[int], BaseException],
         *,
         hold: bool = False,
-    ) -> list[tuple[K, list[torch.Tensor]]]:
+    ) -> list[tuple[_Key, list[torch.Tensor]]]:
         """:meth:`copy` of one batch (``key`` names it), in the stream of windows of every batch:
         the batches finished by this call, in order, each with its tensors: every source of them
         read, every tensor fenced. The batch before this one is finished now (its last window was

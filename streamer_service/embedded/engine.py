@@ -163,8 +163,10 @@ class EmbeddedEngine:
     Each :meth:`stream` has its own ring and reader and may use the whole budget: run one at a
     time to stay within it. ``reader_factory`` builds the reader (keyword arguments
     ``fs_strategy`` and ``environment``; default: for a load to a CUDA device
-    :func:`~streamer_service.readers.choice.reader_for` the URI, else Run:ai's); tests may replace it. ``versions``
-    checks each loaded batch's objects against the catalog's versions before delivery.
+    :func:`~streamer_service.readers.choice.reader_for` the URI, else Run:ai's); tests may replace it. A
+    device load whose reader would be the mapped reader is staged from the files' mappings instead
+    (:mod:`~streamer_service.embedded.staged`). ``versions`` checks each loaded batch's objects
+    against the catalog's versions before delivery.
     """
 
     def __init__(
