@@ -248,9 +248,9 @@ def test_a_storage_server_that_exits_before_the_upload_is_named_with_its_log(tmp
                 "print('fatal: the filer port is taken', flush=True)\n"
                 "sys.exit(3)\n"
             )
-            self._spawn([sys.executable, "-c", script], self.log)
+            self._spawn([sys.executable, "-c", script])
             self.endpoint = f"http://{HOST}:{port}"
-            self._wait_listening(port, self.log)
+            self._wait_listening(port)
 
     checkpoint = tmp_path / "ckpt"
     checkpoint.mkdir()

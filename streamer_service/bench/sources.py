@@ -80,20 +80,21 @@ class _ServerSource(Source):
     log: Path
     endpoint = ""
 
-    def _spawn(self, cmd: list[str], log: Path) -> None:
-        with open(log, "ab") as log_file:
+    def _spawn(self, cmd: list[str]) -> None:
+        """Start the server, its output appended to ``self.log``."""
+        with open(self.log, "ab") as log_file:
             self.proc = subprocess.Popen(
                 cmd, stdin=subprocess.DEVNULL, stdout=log_file, stderr=subprocess.STDOUT,
                 env=_server_env(), preexec_fn=_die_with_parent, cwd=self.work,
             )  # fmt: skip
 
-    def _wait_listening(self, port: int, log: Path, timeout_s: float = 60) -> None:
+    def _wait_listening(self, port: int, timeout_s: float = 60) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
             with contextlib.suppress(OSError), socket.create_connection((HOST, port), timeout=1):
                 return
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{self.name} did not start listening on {HOST}:{port}:\n{_tail(log)}")
+                raise RuntimeError(f"{self.name} did not start listening on {HOST}:{port}:\n{_tail(self.log)}")
             time.sleep(0.1)
 
     def _exited(self) -> RuntimeError | None:
@@ -168,9 +169,9 @@ class MotoSource(_S3Source):
         binary = _venv_binary("moto_server", "moto[server]")
         port = free_port()
         self.log = self.work / "moto.log"
-        self._spawn([binary, "-H", HOST, "-p", str(port)], self.log)
+        self._spawn([binary, "-H", HOST, "-p", str(port)])
         self.endpoint = f"http://{HOST}:{port}"
-        self._wait_listening(port, self.log)
+        self._wait_listening(port)
 
     def describe(self) -> str:
         return "moto_server (reads the whole object per range request: correctness only); bytes: not counted"
@@ -202,9 +203,9 @@ class SeaweedSource(_S3Source):
             f"-filer.localSocket={root / 'filer.sock'}", f"-s3.localSocket={root / 's3.sock'}",
             f"-metricsPort={self.metrics_port}",
         ]  # fmt: skip
-        self._spawn(cmd, self.log)
+        self._spawn(cmd)
         self.endpoint = f"http://{HOST}:{s3}"
-        self._wait_listening(s3, self.log)
+        self._wait_listening(s3)
 
     def bytes_served(self) -> int:
         return int(self._metric("SeaweedFS_s3_bucket_traffic_sent_bytes_total", BUCKET))
@@ -252,9 +253,8 @@ class FakeGcsSource(_ServerSource):
             self.log = work / "fake-gcs.log"
             public = self.proxy.endpoint
             self._spawn([_fake_gcs_binary(), "-backend", "memory", "-scheme", "http", "-host", HOST, "-port", str(port),
-                         "-external-url", public, "-public-host", public.split("://", 1)[1], "-log-level", "warn"],
-                        self.log)  # fmt: skip
-            self._wait_listening(port, self.log)
+                         "-external-url", public, "-public-host", public.split("://", 1)[1], "-log-level", "warn"])  # fmt: skip
+            self._wait_listening(port)
             self.proxy.upstream = (HOST, port)
             self.endpoint = public
             self.direct = f"http://{HOST}:{port}"
