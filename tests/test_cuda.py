@@ -14,6 +14,7 @@ import json
 import mmap
 import os
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -597,20 +598,13 @@ def test_abandoning_a_staged_load_waits_for_its_copies_and_keeps_only_the_stagin
     assert all(_bytes_equal(got[n], truth[n]) for n in truth)
 
 
-def _copy_checkpoint(source: Path, target: Path) -> Path:
-    target.mkdir()
-    for path in source.iterdir():
-        (target / path.name).write_bytes(path.read_bytes())
-    return target
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_a_staged_load_of_a_file_shorter_than_its_header_says_names_the_tensor(many_batches, tmp_path):
     from streamer_client.errors import ObjectChangedError
 
     source, truth = many_batches
-    directory = _copy_checkpoint(source, tmp_path / "ckpt")
+    directory = Path(shutil.copytree(source, tmp_path / "ckpt"))
     engine = _engine(directory, budget=32 * KIB, slot=8 * KIB, ring=False)  # no version checks: the bytes' own check
     plan = engine.plan()
     last = max((t for t in plan.tensors if t.nbytes), key=lambda t: (t.file, t.end))  # a file's last tensor
@@ -636,7 +630,7 @@ def test_a_staged_load_of_a_file_changed_since_its_header_was_read_delivers_noth
     from streamer_client.errors import ObjectChangedError
 
     source, _ = many_batches
-    directory = _copy_checkpoint(source, tmp_path / "ckpt")
+    directory = Path(shutil.copytree(source, tmp_path / "ckpt"))
     engine = _engine(directory, budget=32 * KIB, slot=8 * KIB, ring=False, versions=True)
     plan = engine.plan()
     first = plan.batches[0].files[0]

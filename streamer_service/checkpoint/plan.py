@@ -115,9 +115,9 @@ def delivery_order(tensors: Sequence[TensorInfo], priority: Sequence[str] | None
     Tensors matching a ``priority`` entry come first, grouped in the order of the entries, then
     the rest in checkpoint order. An entry in ``names`` (the whole checkpoint's tensor names, not
     only those of ``tensors``) is that name; any other entry is a prefix: an entry means the same
-    for a rank's selection and for the union of several. A tensor two entries match belongs to the first (``select`` refuses overlaps in one
-    rank's entries; the daemon orders the union of its ranks' selections with their entries
-    concatenated in rank order, where they may overlap).
+    for a rank's selection and for the union of several. A tensor two entries match belongs to
+    the first (``select`` refuses overlaps in one rank's entries; the daemon orders the union of
+    its ranks' selections with their entries concatenated in rank order, where they may overlap).
     """
     if not priority:
         return list(tensors)

@@ -221,16 +221,21 @@ class EmbeddedEngine:
         factory = self._reader_factory
         if factory is None:  # a CPU load's tensors are the bytes read: into the caller's memory
             factory = reader_for(self.uri, self.config.local_reader, into_callers_memory=device.type != "cuda")
-        if device.type == "cuda" and reads_mappings(factory):
-            # Local files to a device: staged from their mappings, no ring of ours.
-            from .staged import StagedFiles
+        try:
+            if device.type == "cuda" and reads_mappings(factory):
+                # Local files to a device: staged from their mappings, no ring of ours.
+                from .staged import StagedFiles
 
-            try:
                 yield from StagedFiles(self.uri, plan, device, self.stats, self._versions).run()
-            finally:
-                if self._versions is not None:
-                    self._versions.close()
-            return
+            else:
+                yield from self._through_ring(plan, device, borrowed, factory)
+        finally:
+            if self._versions is not None:
+                self._versions.close()
+
+    def _through_ring(
+        self, plan: Plan, device: torch.device, borrowed: bool, factory: ReaderFactory
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         pool = (self._pool or pinned_pool()) if device.type == "cuda" else None
         plan, ring = self._ring_for(plan, pool)
         stream = _Stream(self.uri, plan, ring, self.stats, device, borrowed, self._versions, self.config.in_flight)
@@ -238,10 +243,7 @@ class EmbeddedEngine:
             with open_reader(self.uri, factory, dict(self.config.storage_environment)) as reader:
                 yield from stream.run(reader)
         finally:
-            # After runai_end: only now is no read in flight into any of these buffers.
-            stream.close()
-            if self._versions is not None:
-                self._versions.close()
+            stream.close()  # after runai_end: only now is no read in flight into any of these buffers
 
     def _ring_for(self, plan: Plan, pool: PinnedPool | None) -> tuple[Plan, Slots]:
         """The plan as this load reads it, and its ring (``pool``: a device load's page-locked slots)."""

@@ -59,12 +59,12 @@ class StagedFiles:
         self._device = device
         self._stats = stats
         self._versions = versions
+        self._maps = file_maps()
         self._mappings: dict[str, object] = {}  # path -> its mapping, held until every copy out of it is done
 
     def run(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` of every tensor of the plan, in plan order."""
-        maps = file_maps()
-        maps.enter()  # no mapping is dropped while this load may copy out of it
+        self._maps.enter()  # no mapping is dropped while this load may copy out of it
         pinned = PinnedCopier(self._device)
         staging: delivery.Staging | None = None
         try:
@@ -89,7 +89,7 @@ class StagedFiles:
             finally:
                 pinned.close()
                 self._mappings.clear()
-                maps.leave()
+                self._maps.leave()
 
     def _sources(self, tensors: Sequence[TensorInfo]) -> list[tuple[int, str, Sequence[int]]]:
         """``(address, dtype, shape)`` of each tensor with bytes, in its file's mapping."""
@@ -101,7 +101,7 @@ class StagedFiles:
             mapping = self._mappings.get(path)
             if mapping is None:
                 try:
-                    mapping = self._mappings[path] = file_maps().open(path)
+                    mapping = self._mappings[path] = self._maps.open(path)
                 except OSError as exc:
                     names = [u.name for u in tensors if u.nbytes and u.file == t.file]
                     raise naming_tensors(unmappable(path, _range(t), exc), names) from None
