@@ -178,7 +178,7 @@ def worker(args) -> None:
 # the loading thread; the copier's threads are waited for in copier.wait).
 STAGES = {
     "import": ("<frozen importlib._bootstrap>:_find_and_load",),
-    "catalog+plan": ("checkpoint.py:open_checkpoint", "versions.py:of", "engine.py:plan", "engine.py:_ring_for"),
+    "catalog+plan": ("checkpoint.py:open_checkpoint", "versions.py:of", "engine.py:plan", "ring_load.py:ring_for"),
     "join/next (daemon)": ("connection.py:call",),
     "copier wait": ("copier.py:wait",),
     "H2D queue": ("cuda.py:copy_pieces",),  # every device copy is queued there (copy_into too)
@@ -312,13 +312,14 @@ def rows_for(thp: bool) -> list[Row]:
             target=">= 0.9 x IT 4k"),
         Row("the same, daemon's shm on huge=always tmpfs", "ours", "disk", daemon="retain-thp"),
         Row("daemon, 1 rank, cold on a warm daemon, page cache", "ours", "disk", daemon="plain", target=">= 25 GB/s"),
-        Row("  the same, daemon's shm on huge=always tmpfs (diagnostic)", "ours", "disk", daemon="plain-thp"),
-        Row("  the same, its segments page-locked by the rank (diagnostic)", "ours", "disk", daemon="plain-thp",
-            pin="always"),
+        Row("  the same, daemon's shm on huge=always tmpfs: its segments page-locked (diagnostic)", "ours", "disk",
+            daemon="plain-thp"),
+        Row("  the same, staged instead (STREAMER_PIN_SEGMENTS=never) (diagnostic)", "ours", "disk", daemon="plain-thp",
+            pin="never"),
         Row("daemon, 4 fresh ranks replicated, page cache (wall)", "ours", "disk", daemon="plain", world=4,
             target="<= 0.25 x Run:ai x4"),
-        Row("  the same, 4 ranks, daemon's shm on huge=always tmpfs, segments page-locked (diagnostic)", "ours", "disk",
-            daemon="plain-thp", world=4, pin="always"),
+        Row("  the same, 4 ranks, daemon's shm on huge=always tmpfs: segments page-locked (diagnostic)", "ours", "disk",
+            daemon="plain-thp", world=4),
         Row("plain Run:ai, 4 independent fresh ranks, page cache (wall)", "runai", "disk", world=4, independent=True),
     ]  # fmt: skip
     return [r for r in rows if thp or (r.source != "thp" and not on_thp(r))]

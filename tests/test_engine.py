@@ -345,8 +345,15 @@ def test_config_is_validated():
     assert EngineConfig.from_settings(Settings(shm_budget=MIB, slot_size=64 * KIB)).slot_size == 64 * KIB
 
 
+def _ring_for(engine, plan, pool):
+    """The plan as a load of ``engine`` reads it through its ring (``pool``: a device load's), and the ring."""
+    from streamer_service.embedded.ring_load import ring_for
+
+    return ring_for(plan, engine.config.budget, engine.stats, pool)
+
+
 def test_a_device_load_page_locks_at_most_the_device_ring_whatever_the_budget(tmp_path, monkeypatch):
-    from streamer_service.embedded import engine as engine_module
+    from streamer_service.embedded import ring_load
     from streamer_service.embedded.buffers import PinnedPool
 
     make_sharded_checkpoint(tmp_path, {f"w{i}": torch.zeros(16, 1024) for i in range(60)}, n_shards=2)  # 64 KiB each
@@ -356,23 +363,23 @@ def test_a_device_load_page_locks_at_most_the_device_ring_whatever_the_budget(tm
     assert slot_batches > 4 and not plan.oversized_bytes
     # Room for 4 device slots (1 GiB by default: four of 256 MiB) and a budget for all of them. Device
     # slots are whole 2 MiB but never past the slot size: 256 KiB each here.
-    monkeypatch.setattr(engine_module, "DEVICE_RING_BYTES", 4 * 256 * KIB)
+    monkeypatch.setattr(ring_load, "DEVICE_RING_BYTES", 4 * 256 * KIB)
     pool = PinnedPool()  # slots are made lazily: sizing a ring allocates nothing
     try:
-        assert engine._ring_for(plan, None)[1].count == slot_batches  # CPU: as many in flight as the budget allows
-        assert engine._ring_for(plan, pool)[1].count == 4
+        assert _ring_for(engine, plan, None)[1].count == slot_batches  # CPU: as many in flight as the budget allows
+        assert _ring_for(engine, plan, pool)[1].count == 4
         one = engine.plan(["w0"])  # a plan of one slot batch needs one slot
-        assert engine._ring_for(one, pool)[1].count == 1
+        assert _ring_for(engine, one, pool)[1].count == 1
     finally:
         pool.close()
 
 
 def test_a_device_load_reads_in_small_slots_whatever_the_slot_size(tmp_path, monkeypatch):
-    from streamer_service.embedded import engine as engine_module
+    from streamer_service.embedded import ring_load
     from streamer_service.embedded.buffers import PinnedPool
 
-    monkeypatch.setattr(engine_module, "DEVICE_SLOT_BYTES", 256 * KIB)  # 64 MiB by default
-    monkeypatch.setattr(engine_module, "DEVICE_RING_BYTES", 1 * MIB)
+    monkeypatch.setattr(ring_load, "DEVICE_SLOT_BYTES", 256 * KIB)  # 64 MiB by default
+    monkeypatch.setattr(ring_load, "DEVICE_RING_BYTES", 1 * MIB)
     sizes = [64, 48, 200, 16, 96, 300, 8]  # KiB: two tensors larger than a device slot
     make_sharded_checkpoint(tmp_path, {f"t{i}": torch.zeros(n * 256) for i, n in enumerate(sizes)}, n_shards=2)
     engine = _engine(tmp_path, budget=16 * MIB, slot=4 * MIB)  # everything fits one slot of the settings
@@ -380,14 +387,14 @@ def test_a_device_load_reads_in_small_slots_whatever_the_slot_size(tmp_path, mon
     assert not plan.oversized_bytes and plan.slot_bytes > 256 * KIB
     pool = PinnedPool()
     try:
-        device_plan, ring = engine._ring_for(plan, pool)
+        device_plan, ring = _ring_for(engine, plan, pool)
     finally:
         pool.close()
     assert ring.slot_bytes == 256 * KIB and ring.count == 4
     assert all(b.buffer_bytes <= 256 * KIB for b in device_plan.batches)
     delivered = [p.tensor.name for b in device_plan.batches for p in b.placements if getattr(p, "last", True)]
     assert delivered == [t.name for t in plan.tensors]  # the same order
-    assert engine._ring_for(plan, None)[0] is plan  # a CPU load reads the plan as it is
+    assert _ring_for(engine, plan, None)[0] is plan  # a CPU load reads the plan as it is
 
 
 def test_a_device_load_reads_an_oversized_tensor_in_parts_through_its_slots(small_checkpoint):
@@ -398,10 +405,10 @@ def test_a_device_load_reads_an_oversized_tensor_in_parts_through_its_slots(smal
     engine = _engine(directory, budget=4 * SLOT, slot=SLOT)
     plan = engine.plan()
     assert plan.oversized_bytes > 3 * SLOT
-    assert engine._ring_for(plan, None)[0] is plan  # a CPU load keeps its oversized buffer
+    assert _ring_for(engine, plan, None)[0] is plan  # a CPU load keeps its oversized buffer
     pool = PinnedPool()
     try:
-        parted, ring = engine._ring_for(plan, pool)
+        parted, ring = _ring_for(engine, plan, pool)
     finally:
         pool.close()
     # Slots as large as allowed; the parts' layout is plan.in_parts' (tests/test_plan.py).

@@ -148,9 +148,10 @@ def test_a_load_through_the_daemon_imports_nothing_heavy_nor_the_service(daemon,
 
 
 # What a load of a local directory has no use for: our object-storage backends, the daemon's
-# client, and on a restart (the metadata cache warm) the cache's pull lock. Each reader is
-# imported by the loads it reads: Run:ai's for a CPU load (it reads into memory handed to the
-# caller, readers/choice.py), the mapped one for a CUDA load, which imports nothing of Run:ai.
+# client, and on a restart (the metadata cache warm) the cache's pull lock. Each way of loading
+# is imported by the loads it serves: Run:ai's reader into the engine's ring for a CPU load (it
+# reads into memory handed to the caller, readers/choice.py); the files' mappings staged to the
+# device for a CUDA load, which imports nothing of Run:ai's nor of the ring.
 NOT_FOR_A_LOCAL_LOAD = (
     "streamer_service.storage.s3",
     "streamer_service.storage.gcs",
@@ -160,9 +161,16 @@ NOT_FOR_A_LOCAL_LOAD = (
     "streamer_client.daemon",
     "streamer_client.protocol",
 )
-OTHER_READER = {
-    "cpu": ("streamer_service.readers.mapped",),
-    "cuda:0": ("streamer_service.readers.runai.reader", "streamer_service.readers.runai.contract"),
+OTHER_PATH = {
+    "cpu": ("streamer_service.readers.mapped", "streamer_service.embedded.staged"),
+    "cuda:0": (
+        "streamer_service.readers.runai.reader",
+        "streamer_service.readers.runai.contract",
+        "streamer_service.embedded.ring_load",
+        "streamer_service.embedded.slots",
+        "streamer_service.embedded.buffers",
+        "streamer_service.load.ring",
+    ),
 }
 
 
@@ -171,13 +179,13 @@ def _among(module: str, names) -> bool:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_local_load_imports_its_own_reader_and_nothing_of_object_storage(sample, device):
+def test_a_local_load_imports_its_own_path_and_nothing_of_object_storage(sample, device):
     env = {k: v for k, v in os.environ.items() if k != "STREAMER_SOCKET"}  # none at the default socket: in-process
     first = _light_load(sample, device, env)  # pulls the metadata into the node cache
     restart = _light_load(sample, device, env)  # a new process, the cache warm
     for got in (first, restart):
         assert got["digests"] == _digests(sample)
-        assert [m for m in got["ours"] if _among(m, NOT_FOR_A_LOCAL_LOAD + OTHER_READER[device])] == []
+        assert [m for m in got["ours"] if _among(m, NOT_FOR_A_LOCAL_LOAD + OTHER_PATH[device])] == []
         # Run:ai's object-store plugins never; its wrapper only where Run:ai reads (a CPU load).
         assert [n for n in got["runai"] if n.split(".")[0] != "runai_model_streamer"] == []
         assert bool(got["runai"]) == (device == "cpu")

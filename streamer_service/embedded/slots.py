@@ -1,6 +1,6 @@
 """The embedded engine's slots: a :class:`~streamer_service.load.ring.Ring` over private host
-buffers (page-locked ones from the process's pool for a device load), and the engine's counters
-of the memory they hold.
+buffers (page-locked ones from the process's pool for a device load), counting the memory they
+hold in the engine's counters (:class:`~streamer_service.embedded.engine.EngineStats`).
 
 A slot's tensors are either copied out (device loads), handed over (safe CPU loads: the slot is
 retired and the caller's tensors keep its memory) or lent (``borrowed=True``: the slot comes back
@@ -11,30 +11,17 @@ from __future__ import annotations
 
 import functools
 import weakref
+from typing import TYPE_CHECKING
 
 from streamer_client.leases import Leases
 
-from ..load.pipeline import LoadStats
 from ..load.ring import Ring
 from .buffers import HostBuffer, PinnedPool
 
-__all__ = ["EngineStats", "Slot", "Slots"]
+if TYPE_CHECKING:
+    from .engine import EngineStats
 
-
-class EngineStats(LoadStats):
-    """Counters of one engine, over all its streams (reads and submissions: :class:`LoadStats`)."""
-
-    buffer_bytes: int = 0  # engine-owned buffer bytes right now
-    peak_buffer_bytes: int = 0
-    bytes_copied: int = 0  # copied out of ring slots (device copies; safe CPU tensors are handed over)
-    tensors: int = 0
-
-    def allocated(self, nbytes: int) -> None:
-        self.buffer_bytes += nbytes
-        self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes)
-
-    def released(self, nbytes: int) -> None:
-        self.buffer_bytes -= nbytes
+__all__ = ["Slot", "Slots"]
 
 
 class Slot:

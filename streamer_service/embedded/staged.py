@@ -29,6 +29,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -42,7 +43,9 @@ from ..load.pipeline import Versions, naming_tensors
 from ..readers.base import ReadRange
 from ..readers.mapped import cut_short, file_maps, shorter, unmappable
 from ..uri import StorageURI
-from .slots import EngineStats
+
+if TYPE_CHECKING:
+    from .engine import EngineStats
 
 __all__ = ["StagedFiles"]
 
