@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import mmap
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +21,7 @@ from smaps import resident_bytes
 
 from streamer_client import segments
 from streamer_client.segments import map_segment
+from streamer_service.daemon import shm
 from streamer_service.daemon.shm import Segment
 
 MIB = 2**20
@@ -52,10 +55,66 @@ def test_a_new_segment_is_mapped_whole_when_made(shm_dir):
         plain.close()
 
 
-def test_where_the_kernel_refuses_piecewise_populate_one_call_maps_the_segment(shm_dir, monkeypatch):
+def test_a_large_segment_is_filled_by_threads_side_by_side(shm_dir, monkeypatch):
+    monkeypatch.setattr(shm, "FILL_SHARE", 2 * MIB)  # 256 MiB by default: an oversized tensor's segment
+    monkeypatch.setattr(shm, "FILL_THREADS", 3)
+    monkeypatch.setattr(shm, "_FILLERS", None)
+    filled = []
+    monkeypatch.setattr(shm, "populate_pages", lambda address, nbytes, **kw: filled.append(
+        (threading.current_thread().name, nbytes)) or segments.populate_pages(address, nbytes, **kw))  # fmt: skip
+    segment = Segment("seg-1", shm_dir / "seg-1", 20 * MIB + 4096)
+    try:
+        assert os.stat(segment.path).st_blocks * 512 >= segment.nbytes  # every page allocated in the file
+        assert resident_bytes(segment.address) == segment.nbytes  # and mapped
+        assert bytes(segment.array[:4096]) == bytes(4096) and segment.array[-1] == 0
+        segment.array[:] = 7
+    finally:
+        segment.close()
+        shm._fillers().shutdown()
+    # Three shares of whole 8 MiB pieces, one on the making thread, two on the fillers' threads.
+    assert sorted(n for _, n in filled) == [4 * MIB + 4096, 8 * MIB, 8 * MIB]
+    assert sum(name.startswith("segment-fill") for name, _ in filled) == 2
+    assert list(shm_dir.iterdir()) == []
+
+
+_FULL_SHM = """
+import sys
+from pathlib import Path
+import streamer_service.daemon.shm as shm
+from streamer_client.errors import ConfigError
+shm.FILL_SHARE = int(sys.argv[2])
+try:
+    shm.Segment("seg-1", Path(sys.argv[1]) / "seg-1", 8 * 2**20)
+except ConfigError as exc:
+    print(exc)
+print("left:", sorted(p.name for p in Path(sys.argv[1]).iterdir()))
+"""
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root and unshare for a private mount namespace"
+)
+@pytest.mark.parametrize("share", [MIB, 256 * MIB], ids=["filled-by-threads", "fallocate"])
+def test_a_segment_larger_than_the_shm_filesystem_is_a_config_error_and_leaves_no_file(tmp_path, share):
+    (shm_dir := tmp_path / "segments").mkdir()
+    mount = f"mount -t tmpfs -o size=3m tmpfs {shm_dir}"
+    cmd = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", f'{mount} && exec "$@"', "sh"]
+    out = subprocess.run([*cmd, sys.executable, "-c", _FULL_SHM, str(shm_dir), str(share)], capture_output=True, text=True,
+                         timeout=60)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        f"shared-memory dir {shm_dir} has no room for a {8 * MIB}-byte segment: make the shm filesystem larger than "
+        "STREAMER_SHM_BUDGET or lower the budget",
+        "left: []",
+    ]
+
+
+@pytest.mark.parametrize("share", [256 * MIB, 2 * MIB], ids=["fallocate", "filled-by-threads"])
+def test_where_the_kernel_refuses_piecewise_populate_one_call_maps_the_segment(shm_dir, monkeypatch, share):
     # No such advice: EINVAL, as from a kernel before 5.14.
     monkeypatch.setattr(segments, "_POPULATE", {False: 1000, True: 1000})
     monkeypatch.setattr(segments, "_piecewise", True)
+    monkeypatch.setattr(shm, "FILL_SHARE", share)
     segment = Segment("seg-1", shm_dir / "seg-1", 12 * MIB)
     try:
         assert segments._piecewise is False  # the next segments go straight to the one call

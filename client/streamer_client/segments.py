@@ -43,7 +43,8 @@ from .counters import Counters
 from .errors import DaemonError
 
 __all__ = [
-    "POPULATE_PIECE", "Load", "MappedSegment", "SegmentMaps", "map_segment", "map_shared", "populate_pages", "segment_maps",
+    "POPULATE_PIECE", "Load", "MappedSegment", "SegmentMaps", "map_segment", "map_shared", "populate_pages",
+    "populates_piecewise", "segment_maps",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -74,6 +75,12 @@ def populate_pages(address: int, nbytes: int, *, writable: bool, piece: int = PO
         if _libc.madvise(address + offset, min(piece, nbytes - offset), _POPULATE[writable]) != 0:
             code = ctypes.get_errno()
             raise OSError(code, os.strerror(code))
+
+
+def populates_piecewise() -> bool:
+    """Whether :func:`populate_pages` is used here: False once the kernel refused it (before Linux
+    5.14), when :func:`map_shared` falls back to one ``MAP_POPULATE`` call."""
+    return _piecewise
 
 
 def map_shared(fd: int, nbytes: int, *, writable: bool, populate: bool, piece: int = POPULATE_PIECE) -> mmap.mmap:

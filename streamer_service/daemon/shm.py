@@ -17,7 +17,8 @@ the process dies, however it dies. A starting daemon that gets the exclusive
 lock knows no other daemon uses the dir, so every segment there is stale. (Only
 where another daemon shares the dir does it fall back to the PIDs.)
 
-Space is reserved with ``posix_fallocate`` when a segment is created, so a shm
+Every page of a segment is allocated when it is created (``posix_fallocate``, or
+faulted in by several threads for a large one: :func:`_allocated`), so a shm
 filesystem smaller than the budget fails with a clear error here instead of a
 SIGBUS in whichever process first touches a missing page.
 
@@ -29,19 +30,21 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import functools
 import logging
+import mmap
 import os
 import re
 import secrets
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from streamer_client.errors import ConfigError
-from streamer_client.segments import POPULATE_PIECE, map_shared
+from streamer_client.segments import POPULATE_PIECE, map_shared, populate_pages, populates_piecewise
 
 from .pages import Pages, detect_pages
 
@@ -62,6 +65,14 @@ _NAME_RE = re.compile(r"^streamer-(\d+)-[0-9a-f]+-\d+$")
 # for segments on an H200 VM, 4 threads: 0.40 s).
 CREATE_WORKERS = max(1, min(4, os.cpu_count() or 1))
 
+# A segment of at least two FILL_SHARE is filled by as many threads as it has shares, at most
+# FILL_THREADS (the thread making it among them): an oversized tensor's, which a load makes on its
+# own thread when none of its size is idle, costs the zero-fill of one share instead of the whole.
+# Ring slots and kept segments (at most the slot size) are made by one thread each, several side
+# by side on the makers' threads.
+FILL_SHARE = 256 * 2**20
+FILL_THREADS = CREATE_WORKERS
+
 
 class Segment:
     """One mapped segment file. ``address`` is where Run:ai may write ``nbytes``."""
@@ -74,27 +85,8 @@ class Segment:
         self.nbytes = nbytes
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
         try:
-            try:
-                os.posix_fallocate(fd, 0, nbytes)
-            except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.ENOMEM) and pages is not None and pages.hugetlbfs:
-                    raise ConfigError(
-                        f"hugetlbfs shared-memory dir {path.parent} has no free {pages.size // 2**20} MiB pages "
-                        f"for a {nbytes}-byte segment (see HugePages_Free in /proc/meminfo): reserve more huge "
-                        "pages (vm.nr_hugepages, or larger hugepages-2Mi requests in Kubernetes) or lower "
-                        "STREAMER_SHM_BUDGET"
-                    ) from None
-                if exc.errno in (errno.ENOSPC, errno.EFBIG):
-                    raise ConfigError(
-                        f"shared-memory dir {path.parent} has no room for a {nbytes}-byte segment: "
-                        "make the shm filesystem larger than STREAMER_SHM_BUDGET or lower the budget"
-                    ) from None
-                raise
             os.fchmod(fd, mode)  # exactly this mode, whatever the umask
-            # Every page mapped now, in pieces (``map_shared``): Run:ai's threads write without a fault a page.
-            self._mmap = map_shared(
-                fd, nbytes, writable=True, populate=True, piece=max(POPULATE_PIECE, pages.size if pages else 0)
-            )
+            self._mmap = _allocated(fd, path, nbytes, pages)
         except BaseException:
             os.unlink(path)  # whatever failed, no file is left behind: nothing maps it
             raise
@@ -113,6 +105,84 @@ class Segment:
 
     def __repr__(self) -> str:
         return f"Segment({self.name!r}, {self.nbytes})"
+
+
+def _allocated(fd: int, path: Path, nbytes: int, pages: Pages | None) -> mmap.mmap:
+    """The segment file ``fd`` grown to ``nbytes``, every page of it allocated, zero-filled and
+    mapped writable now: no write into it faults, and a full shm filesystem is a ``ConfigError``
+    here instead of a SIGBUS in a writing thread. A segment of at least two :data:`FILL_SHARE` s
+    (an oversized tensor's) is filled by :data:`FILL_THREADS` threads side by side, each faulting
+    its share in (``MADV_POPULATE_WRITE``); any other is zero-filled by ``posix_fallocate`` and then
+    mapped (:func:`~streamer_client.segments.map_shared`). hugetlbfs always goes the second way:
+    its ``fallocate`` reserves the huge pages."""
+    piece = max(POPULATE_PIECE, pages.size if pages else 0)
+    threads = min(FILL_THREADS, nbytes // FILL_SHARE)
+    if threads >= 2 and populates_piecewise() and not (pages is not None and pages.hugetlbfs):
+        os.ftruncate(fd, nbytes)
+        mapping = map_shared(fd, nbytes, writable=True, populate=False)
+        try:
+            _fill(mapping, nbytes, threads, piece)
+            return mapping
+        except OSError as exc:
+            mapping.close()
+            if exc.errno in (errno.EFAULT, errno.ENOMEM, errno.ENOSPC):  # a page the filesystem had no room for
+                raise _no_room(path, nbytes) from None
+            if exc.errno != errno.EINVAL:
+                raise
+            os.ftruncate(fd, 0)  # a kernel without MADV_POPULATE_WRITE: allocated the other way
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.ENOMEM) and pages is not None and pages.hugetlbfs:
+            raise ConfigError(
+                f"hugetlbfs shared-memory dir {path.parent} has no free {pages.size // 2**20} MiB pages "
+                f"for a {nbytes}-byte segment (see HugePages_Free in /proc/meminfo): reserve more huge "
+                "pages (vm.nr_hugepages, or larger hugepages-2Mi requests in Kubernetes) or lower "
+                "STREAMER_SHM_BUDGET"
+            ) from None
+        if exc.errno in (errno.ENOSPC, errno.EFBIG):
+            raise _no_room(path, nbytes) from None
+        raise
+    # Every page mapped now, in pieces (``map_shared``): Run:ai's threads write without a fault a page.
+    return map_shared(fd, nbytes, writable=True, populate=True, piece=piece)
+
+
+def _fill(mapping: mmap.mmap, nbytes: int, threads: int, piece: int) -> None:
+    """Fault every page of ``mapping`` in for writing, ``threads`` contiguous shares side by side
+    (the calling thread takes the first); the first share's error, or the first other one's."""
+    view = np.frombuffer(mapping, dtype=np.uint8)
+    address = view.ctypes.data
+    del view  # an exported buffer would keep the mapping from closing
+    share = -(-nbytes // threads // piece) * piece
+    starts = range(0, nbytes, share)
+    fill = functools.partial(populate_pages, writable=True, piece=piece)
+    others = [_fillers().submit(fill, address + start, min(share, nbytes - start)) for start in starts[1:]]
+    try:
+        fill(address, min(share, nbytes))
+    finally:
+        wait(others)
+    for future in others:
+        future.result()
+
+
+_FILLERS: ThreadPoolExecutor | None = None
+_FILLERS_LOCK = threading.Lock()
+
+
+def _fillers() -> ThreadPoolExecutor:
+    """The threads that fill the shares of a large segment beside the thread making it."""
+    global _FILLERS
+    with _FILLERS_LOCK:
+        if _FILLERS is None:
+            _FILLERS = ThreadPoolExecutor(FILL_THREADS - 1, thread_name_prefix="segment-fill")
+        return _FILLERS
+
+
+def _no_room(path: Path, nbytes: int) -> ConfigError:
+    return ConfigError(
+        f"shared-memory dir {path.parent} has no room for a {nbytes}-byte segment: "
+        "make the shm filesystem larger than STREAMER_SHM_BUDGET or lower the budget"
+    )
 
 
 @dataclass(frozen=True)
