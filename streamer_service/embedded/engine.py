@@ -28,13 +28,13 @@ from ..checkpoint.catalog import Catalog
 from ..checkpoint.plan import DEFAULT_ALIGN, Plan, build_plan
 from ..checkpoint.plan import select as select_tensors
 from ..checkpoint.versions import ObjectVersions
-from ..load.pipeline import LoadStats
 from ..readers.base import ReaderFactory
 from ..readers.choice import reader_for, reads_mappings
 from ..readers.runai import storage_environment
 from ..settings import Settings
 from ..sizing import in_flight_bytes, slot_bytes
 from ..uri import StorageURI
+from .stats import EngineStats
 
 if TYPE_CHECKING:
     from .buffers import PinnedPool
@@ -83,22 +83,6 @@ class EngineConfig:
             storage_environment=tuple(storage_environment(settings).items()),
             local_reader=settings.local_reader,
         )
-
-
-class EngineStats(LoadStats):
-    """Counters of one engine, over all its streams (reads and submissions: :class:`LoadStats`)."""
-
-    buffer_bytes: int = 0  # engine-owned buffer bytes right now
-    peak_buffer_bytes: int = 0
-    bytes_copied: int = 0  # copied out of ring slots or the files' mappings to a device (safe CPU tensors are handed over)
-    tensors: int = 0
-
-    def allocated(self, nbytes: int) -> None:
-        self.buffer_bytes += nbytes
-        self.peak_buffer_bytes = max(self.peak_buffer_bytes, self.buffer_bytes)
-
-    def released(self, nbytes: int) -> None:
-        self.buffer_bytes -= nbytes
 
 
 class EmbeddedEngine:
@@ -174,9 +158,11 @@ class EmbeddedEngine:
             else:
                 from .ring_load import RingLoad
 
+                config = self.config
                 yield from RingLoad(
-                    self.uri, plan, device, borrowed, factory, self.config, self.stats, self._versions, self._pool
-                ).run()
+                    self.uri, plan, device, borrowed, factory, self.stats, self._versions, self._pool,
+                    budget=config.budget, in_flight=config.in_flight, environment=dict(config.storage_environment),
+                ).run()  # fmt: skip
         finally:
             if self._versions is not None:
                 self._versions.close()

@@ -85,7 +85,7 @@ from .buffers import HostBuffer, PinnedPool, pinned_pool
 from .slots import Slot, Slots
 
 if TYPE_CHECKING:
-    from .engine import EngineConfig, EngineStats
+    from .stats import EngineStats
 
 __all__ = ["DEVICE_RING_BYTES", "DEVICE_SLOT_BYTES", "RingLoad", "ring_for"]
 
@@ -102,9 +102,11 @@ were slower."""
 
 
 class RingLoad:
-    """One load of ``plan`` from ``uri`` through a ring of its own, read by a reader of ``factory``,
-    to ``device`` (see the module docstring); :meth:`run` once. Its counters go to ``stats`` (the
-    engine's); ``pool``: a device load's page-locked slots (default: the process's pool)."""
+    """One load of ``plan`` from ``uri`` through a ring of its own within ``budget`` bytes, read by a
+    reader of ``factory`` (with Run:ai's storage ``environment``; at most ``in_flight`` bytes asked
+    for and not landed), to ``device`` (see the module docstring); :meth:`run` once. Its counters
+    go to ``stats`` (the engine's); ``pool``: a device load's page-locked slots (default: the
+    process's pool)."""
 
     def __init__(
         self,
@@ -113,28 +115,33 @@ class RingLoad:
         device: torch.device,
         borrowed: bool,
         factory: ReaderFactory,
-        config: EngineConfig,
         stats: EngineStats,
         versions: Versions | None = None,
         pool: PinnedPool | None = None,
+        *,
+        budget: int,
+        in_flight: int | None = None,
+        environment: dict[str, str] | None = None,
     ) -> None:
         self._uri = uri
         self._plan = plan
         self._device = device
         self._borrowed = borrowed
         self._factory = factory
-        self._config = config
         self._stats = stats
         self._versions = versions
         self._pool = pool
+        self._budget = budget
+        self._in_flight = in_flight
+        self._environment = environment
 
     def run(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` of every tensor of the plan, in plan order."""
         pool = (self._pool or pinned_pool()) if self._device.type == "cuda" else None
-        plan, ring = ring_for(self._plan, self._config.budget, self._stats, pool)
-        stream = _Stream(self._uri, plan, ring, self._stats, self._device, self._borrowed, self._versions, self._config.in_flight)
+        plan, ring = ring_for(self._plan, self._budget, self._stats, pool)
+        stream = _Stream(self._uri, plan, ring, self._stats, self._device, self._borrowed, self._versions, self._in_flight)
         try:
-            with open_reader(self._uri, self._factory, dict(self._config.storage_environment)) as reader:
+            with open_reader(self._uri, self._factory, self._environment) as reader:
                 yield from stream.run(reader)
         finally:
             stream.close()  # after runai_end: only now is no read in flight into any of these buffers

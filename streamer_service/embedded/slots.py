@@ -1,6 +1,6 @@
 """The embedded engine's slots: a :class:`~streamer_service.load.ring.Ring` over private host
 buffers (page-locked ones from the process's pool for a device load), counting the memory they
-hold in the engine's counters (:class:`~streamer_service.embedded.engine.EngineStats`).
+hold in the engine's counters (:class:`~streamer_service.embedded.stats.EngineStats`).
 
 A slot's tensors are either copied out (device loads), handed over (safe CPU loads: the slot is
 retired and the caller's tensors keep its memory) or lent (``borrowed=True``: the slot comes back
@@ -19,7 +19,7 @@ from ..load.ring import Ring
 from .buffers import HostBuffer, PinnedPool
 
 if TYPE_CHECKING:
-    from .engine import EngineStats
+    from .stats import EngineStats
 
 __all__ = ["Slot", "Slots"]
 

@@ -45,7 +45,7 @@ from ..readers.mapped import cut_short, file_maps, shorter, unmappable
 from ..uri import StorageURI
 
 if TYPE_CHECKING:
-    from .engine import EngineStats
+    from .stats import EngineStats
 
 __all__ = ["StagedFiles"]
 
