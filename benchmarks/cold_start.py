@@ -311,6 +311,8 @@ def rows_for(thp: bool) -> list[Row]:
         Row("daemon warm restart: retained, new session, fresh rank, /dev/shm (4 KiB)", "ours", "disk", daemon="retain-4k",
             target=">= 0.9 x IT 4k"),
         Row("the same, daemon's shm on huge=always tmpfs", "ours", "disk", daemon="retain-thp"),
+        Row("  the same, staged (STREAMER_PIN_SEGMENTS=never) (diagnostic)", "ours", "disk", daemon="retain-thp",
+            pin="never"),
         Row("daemon, 1 rank, cold on a warm daemon, page cache", "ours", "disk", daemon="plain", target=">= 25 GB/s"),
         Row("  the same, daemon's shm on huge=always tmpfs: its segments page-locked (diagnostic)", "ours", "disk",
             daemon="plain-thp"),

@@ -85,20 +85,22 @@ def test_request_bodies_are_accepted_by_the_daemon_as_the_client_builds_them():
     assert protocol.MetadataReply.from_wire(_wire(protocol.MetadataReply("/cache/x"))) == protocol.MetadataReply("/cache/x")
 
 
-def test_a_join_reply_carries_the_segments_page_size_and_an_older_daemon_s_reads_as_unknown():
-    reply = protocol.JoinReply("s1", 3, 4096, "/cache/m", "/dev/shm/streamer", 2 << 20)
+def test_a_join_reply_carries_the_segments_page_size_and_whether_they_are_in_memory_and_an_older_daemon_s_reads_as_unknown():
+    reply = protocol.JoinReply("s1", 3, 4096, "/cache/m", "/dev/shm/streamer", 2 << 20, True)
     assert protocol.JoinReply.from_wire(_wire(reply)) == reply
-    older = {k: v for k, v in reply.to_wire().items() if k != "shm_page_size"}
-    assert protocol.JoinReply.from_wire(older).shm_page_size == 0
+    older = {k: v for k, v in reply.to_wire().items() if k not in ("shm_page_size", "from_memory")}
+    assert (protocol.JoinReply.from_wire(older).shm_page_size, protocol.JoinReply.from_wire(older).from_memory) == (0, False)
 
 
-def test_a_cuda_rank_stages_only_a_first_load_of_small_page_segments_with_auto(monkeypatch):
+def test_a_cuda_rank_stages_a_first_load_of_small_page_segments_or_of_segments_in_memory_with_auto(monkeypatch):
     from streamer_client import daemon
 
     monkeypatch.setattr(daemon.copier, "available", lambda: True)
     assert daemon._staged("auto", reloading=False, huge_pages=False)
     assert not daemon._staged("auto", reloading=True, huge_pages=False)
     assert not daemon._staged("auto", reloading=False, huge_pages=True)  # registering huge pages is cheap
+    assert daemon._staged("auto", reloading=False, huge_pages=True, from_memory=True)  # but staging is cheaper there
+    assert not daemon._staged("auto", reloading=True, huge_pages=True, from_memory=True)
     assert [daemon._staged(p, False, huge) for p in ("never", "always") for huge in (False, True)] == [True, True, False, False]
     monkeypatch.setattr(daemon.copier, "available", lambda: False)  # no copier: no staging ring either
     assert not daemon._staged("auto", reloading=False, huge_pages=False)

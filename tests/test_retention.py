@@ -10,12 +10,14 @@ import re
 import signal
 import subprocess
 import threading
+import uuid
 from pathlib import Path
 
 import pytest
 from daemon_harness import DaemonProcess, finish, finish_failed
 from prometheus_client.parser import text_string_to_metric_families
 
+from streamer_client import protocol
 from streamer_service.checkpoint.catalog import build_catalog
 from streamer_service.checkpoint.plan import BatchKind, build_plan
 from streamer_service.daemon.resident import ResidentStore
@@ -350,6 +352,46 @@ def test_store_accounting_pins_and_lru(tmp_path):
     assert not kept.path.exists() and resident.used == 0
     resident.unpin(again)
     assert store.leftovers() == []
+
+
+def test_the_store_tells_whether_a_generation_holds_every_tensor_asked_for(tmp_path):
+    store = SegmentStore(tmp_path)
+    resident = ResidentStore(limit=2 * 4096)
+    assert not resident.holds("a", "g1", [])  # no copy at all
+    a = resident.pin("a", "g1")
+    assert resident.claim(a, 2 * 4096)
+    resident.add(a, store.create(2 * 4096), [("x", 0), ("y", 4096)])
+    resident.settle(0)
+    resident.unpin(a)
+    assert resident.holds("a", "g1", ["x"]) and resident.holds("a", "g1", ["y", "x"])
+    assert not resident.holds("a", "g1", ["x", "w"])  # one tensor not kept
+    assert not resident.holds("a", "g2", ["x"])  # another generation
+    assert not resident.holds("b", "g1", ["x"])  # another checkpoint
+    assert resident.stats().resident_bytes == 2 * 4096  # asking pinned and dropped nothing
+    resident.drop(a, "a test")
+    assert not resident.holds("a", "g1", ["x"])
+    assert store.leftovers() == []
+
+
+def _joined_from_memory(d: DaemonProcess, uri: str, select=None) -> bool:
+    """What a rank's join is told about its bytes being in memory (the rank then leaves at once)."""
+    join = protocol.JoinRequest(uri=uri, session=uuid.uuid4().hex, rank=0, world_size=1, select=select, launch_id="hint")
+    with d.client() as c:
+        reply = protocol.JoinReply.from_wire(c.post(protocol.JOIN_PATH, json=join.to_wire()).json())
+        c.post(protocol.rank_path(reply.session_id, 0, "leave"), json=protocol.LeaveRequest().to_wire()).raise_for_status()
+    return reply.from_memory
+
+
+def test_a_join_is_told_whether_its_bytes_are_in_memory(sample, daemon):
+    names = _names(sample)
+    d = daemon({}, "--shm-budget", "8MiB", "--retention-budget", "64MiB")
+    _load(d, str(sample), sample, [names[: len(names) // 2]], launch="hint")
+    assert _joined_from_memory(d, str(sample), select=names[: len(names) // 4])  # kept by that load
+    # Half of it is not: told as the load starts, whatever it then streams before the rank leaves.
+    assert not _joined_from_memory(d, str(sample))
+    _load(d, str(sample), sample, [names], launch="hint")
+    assert _joined_from_memory(d, str(sample))
+    assert d.healthy()
 
 
 def test_a_claim_evicts_only_what_makes_room_and_extra_bytes_evict_nothing(tmp_path):

@@ -11,13 +11,14 @@ How a batch's bytes become tensors (``delivery``, shared with the embedded engin
   released to the daemon before its tensors are yielded;
 - CPU, ``borrowed=True``: views of a private mapping, released when the next batch is asked for;
 - CUDA, staged (``STREAMER_PIN_SEGMENTS=never``, and with ``auto`` a process's first load of
-  segments of small pages): the
+  segments of small pages, or of huge pages the daemon serves from memory): the
   copier's threads copy the segment, a window at a time, into the process's small page-locked
   staging ring, each window's host-to-device copy overlapping the next window; the batch is
   released as soon as its bytes are staged. The windows of successive replies form one stream: the
   last window of a reply is still being filled while the next reply is asked for. Nothing the
   size of the checkpoint is page-locked;
-- CUDA, pinned (``always``, and with ``auto`` a reloading process or huge-page segments): each
+- CUDA, pinned (``always``, and with ``auto`` a reloading process, or huge-page segments the
+  daemon streams): each
   segment is page-locked
   once per process (on a worker thread, ahead of its copies) and copied from directly; the batch
   is released once its copies completed.
@@ -80,14 +81,15 @@ def _empty(h: Handle, device: torch.device) -> torch.Tensor:
     return delivery.empty(h.dtype, h.shape, device)
 
 
-def _staged(pin_segments: str, reloading: bool, huge_pages: bool = False) -> bool:
+def _staged(pin_segments: str, reloading: bool, huge_pages: bool = False, from_memory: bool = False) -> bool:
     """Whether a CUDA load copies through the staging ring instead of page-locking segments
-    (``STREAMER_PIN_SEGMENTS``; ``auto``: a process's first load of segments of small pages,
-    where the copier is built). Page-locking costs per page: segments of huge pages are registered
-    in a small part of the time, and a copy out of them then costs no second host copy, so a first
-    load pins them too (docs/benchmarks.md)."""
+    (``STREAMER_PIN_SEGMENTS``; ``auto``: where the copier is built, a process's first load of
+    segments of small pages, or of huge pages the daemon serves from memory). Page-locking costs per
+    page: segments of huge pages are registered in a small part of the time, and while the daemon
+    streams them that time passes beside its reads, so a first load pins them; segments already
+    whole in memory are staged faster than they are registered (docs/benchmarks.md)."""
     if pin_segments == "auto":
-        return copier.available() and not reloading and not huge_pages
+        return copier.available() and not reloading and (not huge_pages or from_memory)
     return pin_segments == "never"
 
 
@@ -126,6 +128,7 @@ def _joined(client: DaemonClient, request: StreamRequest) -> Iterator[tuple[str,
         pin_segments=cfg.pin_segments,
         nbytes=joined.bytes,
         huge_pages=joined.shm_page_size > mmap.PAGESIZE,
+        from_memory=joined.from_memory,
     ).run()
     if request.progress == "off":
         return tensors
@@ -135,7 +138,7 @@ def _joined(client: DaemonClient, request: StreamRequest) -> Iterator[tuple[str,
 class _Receiver:
     def __init__(
         self, client: DaemonClient, shm_dir: Path, session_id: str, rank: int, device: torch.device, borrowed: bool,
-        *, pin_segments: str = "always", nbytes: int = 0, huge_pages: bool = False,
+        *, pin_segments: str = "always", nbytes: int = 0, huge_pages: bool = False, from_memory: bool = False,
     ) -> None:  # fmt: skip
         self._client = client
         self._next = protocol.rank_path(session_id, rank, "next")
@@ -154,7 +157,7 @@ class _Receiver:
         else:
             # Owned copies map each segment once per process and keep it across loads (segments.py).
             maps = segment_maps(shm_dir)
-            staged = device.type == "cuda" and _staged(pin_segments, maps.loads > 0, huge_pages)
+            staged = device.type == "cuda" and _staged(pin_segments, maps.loads > 0, huge_pages, from_memory)
             # Populated for copies by numpy on this thread; the copier's threads fault the pages
             # in themselves, in parallel, and a registration does too (map_segment).
             self._segments = maps.load(populate=device.type != "cuda" and not copier.available())

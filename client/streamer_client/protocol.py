@@ -141,6 +141,9 @@ class JoinReply:
     metadata_dir: str
     shm_dir: str  # where the segments are, as the daemon sees it (STREAMER_SHM_DIR overrides it)
     shm_page_size: int = 0  # the page size backing the segments (0: a daemon that does not say)
+    # Every byte this rank selected was in the daemon's resident copy when it joined: a hint for how
+    # a CUDA rank copies them (False: a daemon that does not say, or bytes it streams).
+    from_memory: bool = False
 
     def to_wire(self) -> dict:
         return {
@@ -150,13 +153,14 @@ class JoinReply:
             "metadata_dir": self.metadata_dir,
             "shm_dir": self.shm_dir,
             "shm_page_size": self.shm_page_size,
+            "from_memory": self.from_memory,
         }
 
     @classmethod
     def from_wire(cls, data: dict) -> JoinReply:
         return cls(
             data["session_id"], data["tensors"], data["bytes"], data["metadata_dir"], data["shm_dir"],
-            data.get("shm_page_size", 0),
+            data.get("shm_page_size", 0), data.get("from_memory", False),
         )  # fmt: skip
 
 

@@ -303,8 +303,9 @@ def create_app(settings: Settings) -> FastAPI:
         # the same dir elsewhere.
         store = daemon(request).store
         return JoinReply(
-            session.id, rank.to_hand_out, rank.nbytes, str(session.checkpoint.metadata_dir), str(store.shm_dir), store.pages.size
-        ).to_wire()
+            session.id, rank.to_hand_out, rank.nbytes, str(session.checkpoint.metadata_dir), str(store.shm_dir),
+            store.pages.size, session.from_memory(body.rank),
+        ).to_wire()  # fmt: skip
 
     @app.post("/v1/sessions/{session_id}/ranks/{rank}/next")
     async def next_handles(session_id: str, rank: int, body: NextRequest, request: Request) -> dict:

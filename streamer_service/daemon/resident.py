@@ -89,6 +89,16 @@ class ResidentStore:
             copy.pins += 1
             return copy
 
+    def holds(self, uri: str, generation: str, names: Iterable[str]) -> bool:
+        """Whether the copy of ``uri`` at ``generation`` holds every tensor of ``names`` now. A hint,
+        nothing pinned: a session serves from memory only once it has pinned the copy and found its
+        objects unchanged."""
+        with self._lock:
+            copy = self._copies.get(uri)
+            return (
+                copy is not None and copy.generation == generation and not copy.dropped and all(n in copy.tensors for n in names)
+            )
+
     def unpin(self, copy: ResidentCopy) -> None:
         with self._lock:
             copy.pins -= 1

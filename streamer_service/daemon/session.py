@@ -113,6 +113,7 @@ class Session:
             in_flight=in_flight,
         )  # fmt: skip
         self._told: set[int] = set()  # ranks that were answered the error of a cancelled load
+        self._from_memory: set[int] = set()  # ranks whose every byte was resident when the load started
         self._tell_until = 0.0  # a cancelled load keeps its segments until then for ranks not told yet
         self.load_complete = False  # every batch was loaded and published
         self._thread: threading.Thread | None = None
@@ -157,6 +158,12 @@ class Session:
                 self._cond.notify_all()
             return state
 
+    def from_memory(self, rank: int) -> bool:
+        """Whether every byte ``rank`` selected was in the daemon's resident copy of this checkpoint
+        when the load started (a hint for how the rank copies them: its join reply says it)."""
+        with self._cond:
+            return rank in self._from_memory
+
     def on_joined(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` (from any thread, so it must not block) once the session no longer
         waits for ranks: every rank joined, or it failed. At once if that is so already."""
@@ -199,6 +206,10 @@ class Session:
 
     def _start(self) -> None:
         wanted = self._roster.union(self.checkpoint.catalog.tensors)
+        catalog, uri, generation = self.checkpoint.catalog, self.checkpoint.uri.normalized, self.checkpoint.generation
+        self._from_memory = {
+            r.rank for r in self.ranks.values() if self._buffers.in_memory(uri, generation, [catalog[n] for n in r.names])
+        }
         self.state = SessionState.STREAMING
         self.times.mark("started")
         now = self._clock()

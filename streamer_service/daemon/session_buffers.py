@@ -37,7 +37,7 @@ import itertools
 import logging
 import threading
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -128,6 +128,11 @@ class SessionBuffers:
             [handle(index, segment, offset, t) for t, offset in tensors]
             for index, (segment, tensors) in enumerate(by_segment.items(), first)
         ]
+
+    def in_memory(self, uri: str, generation: str, tensors: Iterable[TensorInfo]) -> bool:
+        """Whether an earlier load left every byte of ``tensors`` in memory now: a hint (what this
+        session serves from memory is decided when its load starts, :meth:`resident_batches`)."""
+        return self._resident is not None and self._resident.holds(uri, generation, [t.name for t in tensors if t.nbytes])
 
     def served(self, nbytes: int) -> None:
         if self._resident is not None:
