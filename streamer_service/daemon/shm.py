@@ -125,7 +125,7 @@ def _allocated(fd: int, path: Path, nbytes: int, pages: Pages | None) -> mmap.mm
             return mapping
         except OSError as exc:
             mapping.close()
-            if exc.errno in (errno.EFAULT, errno.ENOMEM, errno.ENOSPC):  # a page the filesystem had no room for
+            if exc.errno in (errno.EFAULT, errno.ENOSPC):  # a page the filesystem had no room for (its fault's SIGBUS)
                 raise _no_room(path, nbytes) from None
             if exc.errno != errno.EINVAL:
                 raise
