@@ -92,15 +92,15 @@ def test_a_join_reply_carries_the_segments_page_size_and_whether_they_are_in_mem
     assert (protocol.JoinReply.from_wire(older).shm_page_size, protocol.JoinReply.from_wire(older).from_memory) == (0, False)
 
 
-def test_a_cuda_rank_stages_a_first_load_of_small_page_segments_or_of_segments_in_memory_with_auto(monkeypatch):
+def test_a_cuda_rank_stages_segments_in_memory_and_a_first_load_of_small_page_ones_with_auto(monkeypatch):
     from streamer_client import daemon
 
     monkeypatch.setattr(daemon.copier, "available", lambda: True)
     assert daemon._staged("auto", reloading=False, huge_pages=False)
     assert not daemon._staged("auto", reloading=True, huge_pages=False)
     assert not daemon._staged("auto", reloading=False, huge_pages=True)  # registering huge pages is cheap
-    assert daemon._staged("auto", reloading=False, huge_pages=True, from_memory=True)  # but staging is cheaper there
-    assert not daemon._staged("auto", reloading=True, huge_pages=True, from_memory=True)
+    # Segments whole in memory are staged, first load or reload, small pages or huge.
+    assert all(daemon._staged("auto", reloading, huge, from_memory=True) for reloading in (False, True) for huge in (False, True))
     assert [daemon._staged(p, False, huge) for p in ("never", "always") for huge in (False, True)] == [True, True, False, False]
     monkeypatch.setattr(daemon.copier, "available", lambda: False)  # no copier: no staging ring either
     assert not daemon._staged("auto", reloading=False, huge_pages=False)

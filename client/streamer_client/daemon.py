@@ -10,15 +10,15 @@ How a batch's bytes become tensors (``delivery``, shared with the embedded engin
 - CPU, owned: the native copier's threads copy the whole batch into new tensors; the batch is
   released to the daemon before its tensors are yielded;
 - CPU, ``borrowed=True``: views of a private mapping, released when the next batch is asked for;
-- CUDA, staged (``STREAMER_PIN_SEGMENTS=never``, and with ``auto`` a process's first load of
-  segments of small pages, or of huge pages the daemon serves from memory): the
+- CUDA, staged (``STREAMER_PIN_SEGMENTS=never``, and with ``auto`` a load the daemon serves whole
+  from memory, or a process's first load of segments of small pages): the
   copier's threads copy the segment, a window at a time, into the process's small page-locked
   staging ring, each window's host-to-device copy overlapping the next window; the batch is
   released as soon as its bytes are staged. The windows of successive replies form one stream: the
   last window of a reply is still being filled while the next reply is asked for. Nothing the
   size of the checkpoint is page-locked;
-- CUDA, pinned (``always``, and with ``auto`` a reloading process, or huge-page segments the
-  daemon streams): each
+- CUDA, pinned (``always``, and with ``auto`` segments the daemon streams to a reloading process,
+  or huge-page ones): each
   segment is page-locked
   once per process (on a worker thread, ahead of its copies) and copied from directly; the batch
   is released once its copies completed.
@@ -83,13 +83,15 @@ def _empty(h: Handle, device: torch.device) -> torch.Tensor:
 
 def _staged(pin_segments: str, reloading: bool, huge_pages: bool = False, from_memory: bool = False) -> bool:
     """Whether a CUDA load copies through the staging ring instead of page-locking segments
-    (``STREAMER_PIN_SEGMENTS``; ``auto``: where the copier is built, a process's first load of
-    segments of small pages, or of huge pages the daemon serves from memory). Page-locking costs per
-    page: segments of huge pages are registered in a small part of the time, and while the daemon
-    streams them that time passes beside its reads, so a first load pins them; segments already
-    whole in memory are staged faster than they are registered (docs/benchmarks.md)."""
+    (``STREAMER_PIN_SEGMENTS``; ``auto``: where the copier is built, a load of segments the daemon
+    serves whole from memory, and a process's first load of segments of small pages). Page-locking
+    costs per page, and pays only where something hides it or many loads share it: while the
+    daemon streams a load, registering huge-page segments passes beside its reads, so a first load
+    pins them, and a process that reloads has its segments registered already; segments already
+    whole in memory are staged faster than they are registered, and staged about as fast as
+    page-locked ones are copied (docs/benchmarks.md)."""
     if pin_segments == "auto":
-        return copier.available() and not reloading and (not huge_pages or from_memory)
+        return copier.available() and (from_memory or (not reloading and not huge_pages))
     return pin_segments == "never"
 
 
