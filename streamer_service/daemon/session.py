@@ -160,9 +160,10 @@ class Session:
 
     def from_memory(self, rank: int) -> bool:
         """Whether every byte ``rank`` selected was in the daemon's resident copy of this checkpoint
-        when the load started (a hint for how the rank copies them: its join reply says it)."""
-        with self._cond:
-            return rank in self._from_memory
+        when the load started (a hint for how the rank copies them: its join reply says it). Set
+        once, as the load starts and before any rank hears that it joined: read without the lock,
+        from the daemon's event loop."""
+        return rank in self._from_memory
 
     def on_joined(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` (from any thread, so it must not block) once the session no longer
