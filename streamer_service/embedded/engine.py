@@ -156,13 +156,13 @@ class EmbeddedEngine:
 
                 yield from StagedFiles(self.uri, plan, device, self.stats, self._versions).run()
             else:
-                from .ring_load import RingLoad
+                from .ring_load import through_ring
 
                 config = self.config
-                yield from RingLoad(
+                yield from through_ring(
                     self.uri, plan, device, borrowed, factory, self.stats, self._versions, self._pool,
                     budget=config.budget, in_flight=config.in_flight, environment=dict(config.storage_environment),
-                ).run()  # fmt: skip
+                )  # fmt: skip
         finally:
             if self._versions is not None:
                 self._versions.close()

@@ -1,5 +1,5 @@
 """A load read into the engine's ring: a reader's ranged reads straight into our buffers, tensors
-built over them, in plan order (:class:`RingLoad`).
+built over them, in plan order (:func:`through_ring`).
 
 Every batch of the plan gets a buffer we allocated; the reader (Run:ai's, or the mapped reader
 for a CPU load of a local directory) writes each range directly into it, with no copy through
@@ -87,7 +87,7 @@ from .slots import Slot, Slots
 if TYPE_CHECKING:
     from .stats import EngineStats
 
-__all__ = ["DEVICE_RING_BYTES", "DEVICE_SLOT_BYTES", "RingLoad", "ring_for"]
+__all__ = ["DEVICE_RING_BYTES", "DEVICE_SLOT_BYTES", "ring_for", "through_ring"]
 
 _SLOT_GRANULE = 2 * 1024 * 1024  # device ring slots come in whole huge pages (see _device_slot_bytes)
 
@@ -101,50 +101,33 @@ The sizes were chosen by measurement (docs/benchmarks.md): larger and smaller ri
 were slower."""
 
 
-class RingLoad:
-    """One load of ``plan`` from ``uri`` through a ring of its own within ``budget`` bytes, read by a
-    reader of ``factory`` (with Run:ai's storage ``environment``; at most ``in_flight`` bytes asked
-    for and not landed), to ``device`` (see the module docstring); :meth:`run` once. Its counters
-    go to ``stats`` (the engine's); ``pool``: a device load's page-locked slots (default: the
-    process's pool)."""
-
-    def __init__(
-        self,
-        uri: StorageURI,
-        plan: Plan,
-        device: torch.device,
-        borrowed: bool,
-        factory: ReaderFactory,
-        stats: EngineStats,
-        versions: Versions | None = None,
-        pool: PinnedPool | None = None,
-        *,
-        budget: int,
-        in_flight: int | None = None,
-        environment: dict[str, str] | None = None,
-    ) -> None:
-        self._uri = uri
-        self._plan = plan
-        self._device = device
-        self._borrowed = borrowed
-        self._factory = factory
-        self._stats = stats
-        self._versions = versions
-        self._pool = pool
-        self._budget = budget
-        self._in_flight = in_flight
-        self._environment = environment
-
-    def run(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """``(name, tensor)`` of every tensor of the plan, in plan order."""
-        pool = (self._pool or pinned_pool()) if self._device.type == "cuda" else None
-        plan, ring = ring_for(self._plan, self._budget, self._stats, pool)
-        stream = _Stream(self._uri, plan, ring, self._stats, self._device, self._borrowed, self._versions, self._in_flight)
-        try:
-            with open_reader(self._uri, self._factory, self._environment) as reader:
-                yield from stream.run(reader)
-        finally:
-            stream.close()  # after runai_end: only now is no read in flight into any of these buffers
+def through_ring(
+    uri: StorageURI,
+    plan: Plan,
+    device: torch.device,
+    borrowed: bool,
+    factory: ReaderFactory,
+    stats: EngineStats,
+    versions: Versions | None = None,
+    pool: PinnedPool | None = None,
+    *,
+    budget: int,
+    in_flight: int | None = None,
+    environment: dict[str, str] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` of every tensor of ``plan`` from ``uri``, in plan order, through a ring of
+    the load's own within ``budget`` bytes, read by a reader of ``factory`` (with Run:ai's storage
+    ``environment``; at most ``in_flight`` bytes asked for and not landed), to ``device`` (see the
+    module docstring). Its counters go to ``stats`` (the engine's); ``pool``: a device load's
+    page-locked slots (default: the process's pool)."""
+    pool = (pool or pinned_pool()) if device.type == "cuda" else None
+    plan, ring = ring_for(plan, budget, stats, pool)
+    stream = _Stream(uri, plan, ring, stats, device, borrowed, versions, in_flight)
+    try:
+        with open_reader(uri, factory, environment) as reader:
+            yield from stream.run(reader)
+    finally:
+        stream.close()  # after runai_end: only now is no read in flight into any of these buffers
 
 
 def ring_for(plan: Plan, budget: int, stats: EngineStats, pool: PinnedPool | None) -> tuple[Plan, Slots]:
