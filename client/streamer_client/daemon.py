@@ -18,10 +18,8 @@ How a batch's bytes become tensors (``delivery``, shared with the embedded engin
   last window of a reply is still being filled while the next reply is asked for. Nothing the
   size of the checkpoint is page-locked;
 - CUDA, pinned (``always``, and with ``auto`` segments the daemon streams to a reloading process,
-  or huge-page ones): each
-  segment is page-locked
-  once per process (on a worker thread, ahead of its copies) and copied from directly; the batch
-  is released once its copies completed.
+  or huge-page ones): each segment is page-locked once per process (on a worker thread, ahead of
+  its copies) and copied from directly; the batch is released once its copies completed.
 """
 
 from __future__ import annotations

@@ -90,9 +90,9 @@ class ResidentStore:
             return copy
 
     def holds(self, uri: str, generation: str, names: Iterable[str]) -> bool:
-        """Whether the copy of ``uri`` at ``generation`` holds every tensor of ``names`` now. A hint,
-        nothing pinned: a session serves from memory only once it has pinned the copy and found its
-        objects unchanged."""
+        """Whether the copy of ``uri`` at ``generation`` holds every tensor of ``names`` now (read only
+        where there is such a copy). A hint, nothing pinned: a session serves from memory only once
+        it has pinned the copy and found its objects unchanged."""
         with self._lock:
             copy = self._copies.get(uri)
             return (

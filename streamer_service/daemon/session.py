@@ -209,7 +209,7 @@ class Session:
         wanted = self._roster.union(self.checkpoint.catalog.tensors)
         catalog, uri, generation = self.checkpoint.catalog, self.checkpoint.uri.normalized, self.checkpoint.generation
         self._from_memory = {
-            r.rank for r in self.ranks.values() if self._buffers.in_memory(uri, generation, [catalog[n] for n in r.names])
+            r.rank for r in self.ranks.values() if self._buffers.in_memory(uri, generation, (catalog[n] for n in r.names))
         }
         self.state = SessionState.STREAMING
         self.times.mark("started")

@@ -131,8 +131,9 @@ class SessionBuffers:
 
     def in_memory(self, uri: str, generation: str, tensors: Iterable[TensorInfo]) -> bool:
         """Whether an earlier load left every byte of ``tensors`` in memory now: a hint (what this
-        session serves from memory is decided when its load starts, :meth:`resident_batches`)."""
-        return self._resident is not None and self._resident.holds(uri, generation, [t.name for t in tensors if t.nbytes])
+        session serves from memory is decided when its load starts, :meth:`resident_batches`).
+        ``tensors`` is read only where a copy of ``uri`` at ``generation`` is kept."""
+        return self._resident is not None and self._resident.holds(uri, generation, (t.name for t in tensors if t.nbytes))
 
     def served(self, nbytes: int) -> None:
         if self._resident is not None:
