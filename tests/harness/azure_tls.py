@@ -266,8 +266,9 @@ class AzureTLSService:
             self.pki = make_test_pki(self.root / "pki", [self.host, f"*.{ENDPOINT_SUFFIX_HOST}"])
             self.binds = self._prepare_binds()
             tls = ssl.create_default_context(cafile=str(self.pki.ca_cert))
+            # Without a log dir of the caller's, the emulator's log lives (and goes) with the root.
             self.emulator: EmulatorProcess = start_azurite(
-                log_dir=log_dir, cert=self.pki.server_cert, key=self.pki.server_key, tls=tls
+                log_dir=log_dir or self.root, cert=self.pki.server_cert, key=self.pki.server_key, tls=tls
             )
         except BaseException:
             shutil.rmtree(self.root, ignore_errors=True)
