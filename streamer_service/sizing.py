@@ -15,12 +15,9 @@ NIC rate (``STREAMER_TARGET_GBPS``, docs/configuration.md "Read parallelism"):
 - **requests**: from object storage the bytes in flight go to Run:ai as :data:`REQUESTS_IN_FLIGHT`
   requests of whole batches (:func:`submission_size`): Run:ai splits each request across all its
   workers and serves the requests in flight side by side, so fewer, larger ones keep it as busy
-  with less ramp-up and tail per request. Toward the end of a load the requests shrink
-  (:func:`request_bytes`): each asks for at most half of what is left, so the last ones are one
-  batch each, and what lands after the rest (and is then handed over and copied by the ranks while
-  nothing else is read) is one batch, not a whole request. A local directory's reads have no
-  request latency to hide and its reader answers a request once all of it is copied: one batch a
-  request, so the head batch is handed on as soon as it is in memory;
+  with less ramp-up and tail per request. A local directory's reads have no request latency to
+  hide and its reader answers a request once all of it is copied: one batch a request, so the
+  head batch is handed on as soon as it is in memory;
 - **Run:ai's parallelism** for that rate: :class:`ReadParallelism`.
 """
 
@@ -33,7 +30,7 @@ from streamer_client.settings import MIN_SHM_BUDGET
 
 __all__ = [
     "FEW_SLOTS", "MIN_IN_FLIGHT_SLOTS", "REQUEST_LATENCY_S", "ReadParallelism", "first_ring_slots", "in_flight_bytes",
-    "request_bytes", "ring_slots", "slot_bytes", "submission_size",
+    "ring_slots", "slot_bytes", "submission_size",
 ]  # fmt: skip
 
 MiB = 1024**2
@@ -102,14 +99,6 @@ def submission_size(in_flight: int | None, *, local: bool = False) -> int:
     request holds whole batches, at least one). ``0``, one batch a request: a local directory, or
     no bound in flight."""
     return in_flight // REQUESTS_IN_FLIGHT if in_flight and not local else 0
-
-
-def request_bytes(submission: int, pending: int) -> int:
-    """Most bytes of the next read request: ``submission`` (:func:`submission_size`), but at most
-    a :data:`REQUESTS_IN_FLIGHT`-th of the ``pending`` bytes the load has not asked for yet, so
-    that the requests in flight at the end land one after another, the last one batch (a request
-    holds at least one). ``0`` (one batch a request) stays ``0``."""
-    return min(submission, -(-pending // REQUESTS_IN_FLIGHT)) if submission else 0
 
 
 @dataclass(frozen=True)

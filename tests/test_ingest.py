@@ -157,48 +157,6 @@ def test_a_load_behind_latency_keeps_batches_in_flight_within_its_bound(slow_s3)
     assert proxy.counts.requests - before >= engine.stats.submissions  # every batch through held requests
 
 
-class _Requests:
-    """Run:ai's reader, recording the bytes of each request the pipeline submits."""
-
-    def __init__(self, reader) -> None:
-        self._reader = reader
-        self.sizes: list[int] = []
-
-    def submit(self, files, keepalive):
-        self.sizes.append(sum(r.nbytes for f in files for r in f.ranges))
-        return self._reader.submit(files, keepalive=keepalive)
-
-    def __getattr__(self, name):
-        return getattr(self._reader, name)
-
-
-def test_the_last_requests_of_a_load_shrink_to_one_batch_each(slow_s3):
-    """Batches of one 256 KiB tensor, four batches in flight: the requests hold two batches (half
-    the bound) while at least four are left to ask for, then half of what is left, so the last
-    two are one batch each; the bytes are safetensors' own."""
-    from streamer_service.readers.runai.environment import storage_environment
-    from streamer_service.readers.runai.reader import NativeReader
-
-    uri_text, truth, _ = slow_s3
-    uri = parse_uri(uri_text)
-    tensor_bytes = 256 * KIB
-    plan = build_plan(list(build_catalog(open_storage(uri, Settings())).tensors), tensor_bytes)
-    batches = [b for b in plan.batches if b.ranges]
-    assert len(batches) == 24 and {b.data_bytes for b in batches} == {tensor_bytes}
-
-    got = {}
-    with NativeReader(environment=storage_environment(Settings())) as native:
-        reader = _Requests(native)
-        pipeline = Pipeline(uri, plan, reader, _new_memory, LoadStats(), in_flight=4 * tensor_bytes)
-        for load in pipeline.loaded(lambda: None):
-            for placed in load.batch.placements:
-                start = placed.buffer_offset
-                got[placed.tensor.name] = load.buffer.memory[start : start + placed.tensor.nbytes].clone()
-    assert reader.sizes == [2 * tensor_bytes] * 11 + [tensor_bytes] * 2
-    for name, tensor in truth.items():
-        assert torch.equal(got[name].view(tensor.dtype).view(tensor.shape), tensor), name
-
-
 @pytest.mark.skipif(not mapped.available(), reason="the native copier is not built")
 def test_a_local_load_reads_one_batch_a_request_whatever_its_bound(tmp_path):
     """A local directory has no request latency to hide, and its reader (the daemon's: mapped files)

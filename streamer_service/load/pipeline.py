@@ -11,10 +11,8 @@ shared-memory segments, released when every rank is done with them):
   yet landed stay within ``in_flight`` (``sizing.in_flight_bytes``: what keeps storage busy for
   a request's latency); more would only make every batch land later, the head included. Run:ai
   serves the requests in flight side by side, so from object storage consecutive batches go in
-  one request of up to ``sizing.submission_size``, shrinking toward the end of the load
-  (``sizing.request_bytes``: the last requests are one batch each); a batch is delivered once its
-  own ranges landed, whatever the rest of its request does; from a local directory, one batch a
-  request;
+  one request of up to ``sizing.submission_size`` (a batch is delivered once its own ranges
+  landed, whatever the rest of its request does); from a local directory, one batch a request;
 - wait for the head batch's ranges, submitting more as ranges land; a failed range fails the load, naming the
   file, the byte range and the tensors it held, and no tensor of that batch
   is delivered;
@@ -40,7 +38,7 @@ from streamer_client.errors import StorageError
 
 from ..checkpoint.plan import Batch, Plan
 from ..readers.base import FileReads, RangeResult, Reader, ReadRange
-from ..sizing import request_bytes, submission_size
+from ..sizing import submission_size
 from ..uri import StorageURI
 
 __all__ = ["CHECK_POLL_S", "Buffer", "Load", "LoadStats", "Pipeline", "Versions", "naming_tensors"]
@@ -188,14 +186,12 @@ class Pipeline:
     def _fill(self) -> None:
         """Take buffers for the next batches while one is free and the bound allows (a batch goes
         when nothing is in flight, or when its bytes fit under ``in_flight`` with what is), and
-        submit them to the reader in requests of up to ``sizing.request_bytes``: a few large
-        requests keep Run:ai's workers as busy as many small ones with less ramp-up and tail per
-        request, and the last ones, one batch each, leave little to hand over after the last byte."""
+        submit them to the reader in requests of up to ``sizing.submission_size`` bytes: a few large
+        requests keep Run:ai's workers as busy as many small ones with less ramp-up and tail per request."""
         if self._failed:
             return  # the load ends at the failed batch: nothing more is worth reading
         room = None if self._limit is None else self._limit - self._in_flight
-        request = request_bytes(self._submission_bytes, self._pending_bytes)
-        if self._in_flight and room is not None and room < request:
+        if self._in_flight and room is not None and room < min(self._submission_bytes, self._pending_bytes):
             return  # a request goes once a whole one fits: not one batch each time a range lands
         group: list[Load] = []
         grouped = 0
@@ -207,10 +203,9 @@ class Pipeline:
                 ahead = self._in_flight + grouped
                 if ahead and self._limit is not None and ahead + batch.data_bytes > self._limit:
                     break
-                if group and grouped + batch.data_bytes > request:
+                if group and grouped + batch.data_bytes > self._submission_bytes:
                     self._submit(group)
                     group, grouped = [], 0
-                    request = request_bytes(self._submission_bytes, self._pending_bytes)
                 asked = time.monotonic()
                 got = self._acquire(batch)
                 self._stats.acquire_seconds += time.monotonic() - asked
