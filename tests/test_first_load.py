@@ -281,13 +281,39 @@ def test_the_standing_ring_stays_idle_for_good_and_only_what_a_load_grew_past_it
 
 
 def test_without_a_standing_ring_every_idle_segment_goes(node):
-    pool = node.pool(4 * SLOT, idle_s=5)
+    pool = node.pool(8 * SLOT, idle_s=5)
     pool.start_preparing(SLOT, 2)
     _prepared(pool)
-    segment, reservation = pool.take(SLOT)
-    pool.give(segment, reservation, keep=True, now=time.monotonic())
-    pool.trim(time.monotonic() + 10**6)
+    now = time.monotonic()
+    for nbytes, oversized in ((SLOT, False), (3 * SLOT, True)):
+        segment, reservation = pool.take(nbytes, oversized=oversized)
+        pool.give(segment, reservation, keep=True, now=now)
+    pool.trim(now + 10**6)
     assert pool.idle == 0 and list(node.shm.iterdir()) == []
+
+
+def test_the_oversized_segment_that_went_idle_last_stands_with_the_ring(node):
+    """Two loads' oversized tensors (3 and 2 slots): after a long idle spell the standing ring
+    and the later one's segment are still there, the earlier one's went; the next load of a
+    tensor of that size takes it as it is."""
+    pool = node.pool(8 * SLOT, idle_s=5)
+    pool.start_preparing(SLOT, 2, standing=True)
+    _prepared(pool)
+    standing = {p.name for p in node.shm.iterdir()}
+    started = time.monotonic()
+    earlier = pool.take(3 * SLOT, oversized=True)
+    pool.give(*earlier, keep=True, now=started)
+    later = pool.take(2 * SLOT, oversized=True)
+    pool.give(*later, keep=True, now=started + 1)
+    pool.trim(started + 5.5)  # the earlier one is stale, the later not yet: only the earlier goes
+    assert {p.name for p in node.shm.iterdir()} == standing | {later[0].name}
+    pool.trim(started + 10**6)
+    assert {p.name for p in node.shm.iterdir()} == standing | {later[0].name}
+    assert pool.idle == 3 and pool.budget.in_use == 4 * SLOT
+    reused = pool.reused
+    again = pool.take(2 * SLOT, oversized=True)
+    assert again[0].name == later[0].name and pool.reused == reused + 1
+    pool.give(*again, keep=True, now=started + 10**6)
 
 
 def _standing_ring(node) -> tuple[SegmentPool, set[str]]:

@@ -205,7 +205,9 @@ class Settings:
         30.0, number(ge=0), "how long the daemon keeps an unused segment for the next load (0: never)"
     )
     segment_prepare: bool = Setting(
-        True, flag, "make the first load's ring segments when the daemon starts, and keep them between loads"
+        True,
+        flag,
+        "make the first load's ring segments when the daemon starts, and keep them (and the last load's oversized tensor's) between loads",
     )
     join_timeout_s: float = Setting(300.0, number(gt=0), "how long the ranks of a session have to join")
     rank_timeout_s: float = Setting(30.0, number(gt=0), "a rank silent this long is reclaimed")

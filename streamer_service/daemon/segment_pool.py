@@ -43,8 +43,11 @@ class SegmentPool:
     The standing ring (``standing=True`` when preparing): as many idle segments of that size as
     were prepared are never trimmed, so a load that comes after a long idle spell starts on
     segments whose pages are allocated and mapped, as the first load did (new shared memory comes
-    only as fast as the kernel zero-fills and maps it). Only what a load grew past them goes after
-    ``idle_s``; a request the budget cannot hold evicts them like any idle segment. A retained
+    only as fast as the kernel zero-fills and maps it). With them stands the idle segment of
+    another size that went idle last: the last load's oversized tensor's (an embedding, an
+    ``lm_head``), which the next load of that checkpoint, or of any with a tensor of that size,
+    would otherwise make on its loading thread before its first read. Only what a load grew past
+    them goes after ``idle_s``; a request the budget cannot hold evicts them like any idle segment. A retained
     load adopts them for its first batches (:meth:`adopt`: its claim pays for them from then on)
     and the pool makes them again when its session ends (:meth:`restand`).
     """
@@ -239,15 +242,19 @@ class SegmentPool:
 
     def trim(self, now: float) -> None:
         """Unlink segments idle for longer than ``idle_s`` (prepared ones wait for the first load),
-        but for the standing ring's."""
+        but for the standing ones: the standing ring's, and the segment of another size that went
+        idle last (see the class docstring)."""
         with self._lock:
             size, count = self._standing
             fresh = [e for e in self._idle if e[2] is None or now - e[2] < self.idle_s]
             stale = [e for e in self._idle if e[2] is not None and now - e[2] >= self.idle_s]
             stand = max(0, count - sum(e[0].nbytes == size for e in fresh))
-            kept, gone = [], []
-            for entry in stale:
-                (kept if entry[0].nbytes == size and len(kept) < stand else gone).append(entry)
+            kept = [e for e in stale if e[0].nbytes == size][:stand]
+            others = [e for e in stale if e[0].nbytes != size]
+            # Where a fresh one of another size went idle later, that one stands once it is stale.
+            if count and others and not any(e[0].nbytes != size for e in fresh):
+                kept.append(max(others, key=lambda e: e[2]))
+            gone = [e for e in stale if not any(e is k for k in kept)]
             self._idle = fresh + kept
         self._close(gone)
 
