@@ -133,24 +133,42 @@ RELOAD = CHECK + textwrap.dedent(
 )
 
 
-def test_a_reload_in_the_same_process_pins_nothing_again(big_checkpoint, tmp_path):
-    """STREAMER_PIN_SEGMENTS=auto: a process's first load stages (pins no segment), its second
-    page-locks the resident segments it sees again, and a third maps and pins nothing anew."""
-    d = DaemonProcess(tmp_path, {}, "--shm-budget", "1GiB", "--retention-budget", "4GiB").start()
+def _three_loads(tmp_path, checkpoint, *daemon_args) -> tuple[list[dict], list[dict]]:
+    """Three loads of ``checkpoint`` in one fresh rank process (STREAMER_PIN_SEGMENTS=auto), each
+    byte-exact, on a daemon that keeps idle segments for the next load: the rank's segment counts
+    after each, and the daemon's account of each load."""
+    d = DaemonProcess(tmp_path, {"STREAMER_SEGMENT_IDLE_S": "30"}, "--shm-budget", "4GiB", *daemon_args).start()
     try:
-        p = subprocess.run([sys.executable, "-c", RELOAD, str(big_checkpoint)], env=d.rank_env(),
+        p = subprocess.run([sys.executable, "-c", RELOAD, str(checkpoint)], env=d.rank_env(),
                            capture_output=True, text=True, timeout=600)  # fmt: skip
         assert p.returncode == 0, p.stderr[-3000:]
-        cold, warm, again = json.loads(p.stdout.strip().splitlines()[-1])
-        assert cold["bad"] == warm["bad"] == again["bad"] == [] and cold["n"] == warm["n"] == again["n"] == 49
-        assert cold["pinned"] == 0 and warm["pinned"] > 0
-        assert warm["mapped"] == cold["mapped"]  # the resident copy: the segments the first load mapped
-        assert (again["mapped"], again["pinned"]) == (warm["mapped"], warm["pinned"])  # nothing mapped or pinned again
-        assert again["reused"] - warm["reused"] >= warm["pinned"]
-        assert d.finished(3)[-1]["bytes_read"] == 0
+        loads = json.loads(p.stdout.strip().splitlines()[-1])
+        assert all(load["bad"] == [] and load["n"] == 49 for load in loads)
+        finished = d.finished(3)
     finally:
         d.stop()
     assert list(d.shm_dir.iterdir()) == []
+    return loads, finished
+
+
+def test_a_reload_the_daemon_streams_pins_its_segments_once(big_checkpoint, tmp_path):
+    """Without retention every load is streamed into the ring's segments, the last load's first
+    (tests/test_segments.py): a process's first load stages them (pins nothing), its second
+    page-locks them, and no segment is page-locked twice."""
+    (cold, warm, again), finished = _three_loads(tmp_path, big_checkpoint)
+    assert all(f["bytes_read"] > 0 for f in finished)
+    assert cold["pinned"] == 0 and warm["pinned"] > 0
+    assert again["pinned"] <= again["mapped"]  # each segment mapped once and page-locked at most once
+    assert again["reused"] > warm["reused"]  # the third load found segments this process had mapped
+
+
+def test_loads_served_from_the_resident_copy_are_staged_and_map_nothing_again(big_checkpoint, tmp_path):
+    """With retention the second and third loads come whole from the daemon's resident copy: every
+    load is staged (no segment page-locked), and the later ones map no segment the first did not."""
+    (cold, warm, again), finished = _three_loads(tmp_path, big_checkpoint, "--retention-budget", "4GiB")
+    assert finished[0]["bytes_read"] > 0 and finished[1]["bytes_read"] == finished[2]["bytes_read"] == 0
+    assert cold["pinned"] == warm["pinned"] == again["pinned"] == 0
+    assert cold["mapped"] == warm["mapped"] == again["mapped"]  # the resident copy: the first load's segments
 
 
 CLOSED_MIDWAY = CHECK + textwrap.dedent(

@@ -292,6 +292,21 @@ def test_without_a_standing_ring_every_idle_segment_goes(node):
     assert pool.idle == 0 and list(node.shm.iterdir()) == []
 
 
+def test_the_segment_that_went_idle_last_is_taken_first(node):
+    """A load takes the segments the last one gave back before older idle ones, so those no load
+    needs any more age out and go."""
+    pool = node.pool(4 * SLOT, idle_s=5)
+    now = time.monotonic()
+    older, newer = pool.take(SLOT), pool.take(SLOT)
+    pool.give(*older, keep=True, now=now)
+    pool.give(*newer, keep=True, now=now + 1)
+    again = pool.take(SLOT)
+    assert again[0].name == newer[0].name
+    pool.give(*again, keep=True, now=now + 2)
+    pool.trim(now + 5.5)  # only the older one was idle for 5 s
+    assert {p.name for p in node.shm.iterdir()} == {newer[0].name}
+
+
 def test_the_oversized_segment_that_went_idle_last_stands_with_the_ring(node):
     """Two loads' oversized tensors (3 and 2 slots): after a long idle spell the standing ring
     and the later one's segment are still there, the earlier one's went; the next load of a

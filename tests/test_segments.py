@@ -7,6 +7,7 @@ fake runtime of tests/test_cuda.py (the GPU tests run the real one: tests/test_c
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 import threading
 import time
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from checkpoints import ground_truth
-from daemon_harness import DaemonProcess
+from daemon_harness import DaemonProcess, wait_until
 from test_cuda import FakeCudart
 
 import streamer_client
@@ -160,6 +161,40 @@ def test_a_reload_from_the_resident_copy_maps_no_segment_again(sample, tmp_path,
     maps.sweep()  # the daemon unlinked its segments at exit: nothing of them stays mapped here
     assert maps.mapped() == {} and str(d.shm_dir) not in _mapped_paths()
     assert np.array(list(d.shm_dir.iterdir())).size == 0
+
+
+def test_a_reload_the_daemon_streams_again_maps_the_segments_of_the_last_load(sample, tmp_path, monkeypatch):
+    """No retention, 8 MiB slots, a standing ring of 12 of which a load's ring uses a few (how many
+    depends on how far the reads run ahead of the rank): each load takes the segments the last
+    one gave back first (the most recently idle), so a process that loads three times has mapped
+    no more segments than its largest ring held, not a new set each time."""
+    env = {"STREAMER_CACHE_DIR": str(tmp_path / "cache"), "STREAMER_SLOT_SIZE": "8MiB", "STREAMER_SEGMENT_IDLE_S": "30"}
+    d = DaemonProcess(tmp_path, env, "--shm-budget", "96MiB").start()
+    try:
+        for key, value in d.rank_env().items():
+            if key.startswith("STREAMER_"):
+                monkeypatch.setenv(key, value)
+        maps = segment_maps(d.shm_dir)
+        truth = ground_truth(sample)
+        mapped = []
+        for launch in ("cold", "warm", "again"):
+            state = streamer_client.load_state_dict(str(sample), launch_id=launch)
+            assert state.keys() == truth.keys()
+            for name, want in truth.items():
+                assert torch.equal(state[name].view(-1).view(torch.uint8), want.view(-1).view(torch.uint8)), name
+            del state
+            mapped.append(maps.stats.mapped)
+        assert all(f["bytes_read"] > 0 for f in d.finished(3))
+
+        def logged() -> list[int] | None:  # a session's line follows its summary
+            rings = [int(n) for n in re.findall(r"a ring of (\d+) slots", d.log.read_text())]
+            return rings if len(rings) == 3 else None
+
+        rings = wait_until(logged, 30, "the three loads' lines in the daemon's log")
+    finally:
+        d.stop()
+    assert max(rings) < 12  # each load left idle segments it did not take
+    assert mapped == [max(rings[: k + 1]) for k in range(3)]
 
 
 class LateCopier:

@@ -216,13 +216,16 @@ class SegmentPool:
             self.make_ahead(size, count)
 
     def _take_idle(self, nbytes: int, *, wait: bool = True) -> tuple[Segment, Reservation] | None:
-        """An idle segment of exactly ``nbytes``, waiting for one on its way (``wait``); ``None`` if
-        there is none. Called under the lock."""
+        """An idle segment of exactly ``nbytes``, the one that went idle last, waiting for one on
+        its way (``wait``); ``None`` if there is none. Called under the lock. The last load's
+        segments first: a process that loads again has them mapped (and page-locked) already, and
+        those no load needs any more are left to age out (:meth:`trim`)."""
         # The first load has started: prepared segments it leaves are idle like any other from now.
         self._first_taken = True
         self._idle = [(s, r, time.monotonic() if since is None else since) for s, r, since in self._idle]
         while True:
-            for i, (segment, reservation, _) in enumerate(self._idle):
+            for i in range(len(self._idle) - 1, -1, -1):
+                segment, reservation, _ = self._idle[i]
                 if segment.nbytes == nbytes:
                     del self._idle[i]
                     self.reused += 1
