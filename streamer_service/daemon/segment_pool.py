@@ -28,7 +28,8 @@ class SegmentPool:
     """Segments for every session of the daemon, within one :class:`ShmBudget`.
 
     A ring segment a session no longer needs stays mapped and idle for ``idle_s`` seconds, and
-    the next session that needs one of its size takes it as it is: its pages are already
+    the next session that needs one of its size takes it as it is (the one that went idle last
+    first: :meth:`_take_idle`): its pages are already
     allocated, so the load skips the zero-fill (about 60 ms per 256 MiB) and the first-touch
     faults (docs/architecture.md: "slots recycle"). Idle segments count against the budget; a request
     that does not fit evicts them first. ``idle_s = 0`` keeps nothing.
