@@ -12,6 +12,7 @@ import tempfile
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -136,23 +137,31 @@ def test_a_missing_segment_names_the_shared_dir(shm_dir):
         load.view("streamer-1-aa-9", 0, 1)
 
 
+def _loads_here(d: DaemonProcess, sample: Path, launches: tuple[str, ...], monkeypatch) -> Iterator[SegmentMaps]:
+    """Load ``sample`` through ``d`` once per launch id in this process, every tensor checked
+    against safetensors; after each load, this process's segment maps."""
+    for key, value in d.rank_env().items():
+        if key.startswith("STREAMER_"):
+            monkeypatch.setenv(key, value)
+    maps = segment_maps(d.shm_dir)
+    truth = ground_truth(sample)
+    for launch in launches:
+        state = streamer_client.load_state_dict(str(sample), launch_id=launch)
+        assert state.keys() == truth.keys()
+        for name, want in truth.items():
+            assert torch.equal(state[name].view(-1).view(torch.uint8), want.view(-1).view(torch.uint8)), name
+        del state
+        yield maps
+
+
 def test_a_reload_from_the_resident_copy_maps_no_segment_again(sample, tmp_path, monkeypatch):
     d = DaemonProcess(tmp_path, {"STREAMER_CACHE_DIR": str(tmp_path / "cache")}, "--retention-budget", "64MiB").start()
     try:
-        for key, value in d.rank_env().items():
-            if key.startswith("STREAMER_"):
-                monkeypatch.setenv(key, value)
-        maps = segment_maps(d.shm_dir)
-        truth = ground_truth(sample)
-        for launch in ("cold", "warm"):
-            state = streamer_client.load_state_dict(str(sample), launch_id=launch)
-            assert state.keys() == truth.keys()
-            for name, want in truth.items():
-                assert torch.equal(state[name].view(-1).view(torch.uint8), want.view(-1).view(torch.uint8)), name
-            del state
-            if launch == "cold":
-                cold_mapped = maps.stats.mapped
-                resident = set(maps.mapped())
+        loads = _loads_here(d, sample, ("cold", "warm"), monkeypatch)
+        maps = next(loads)
+        cold_mapped = maps.stats.mapped
+        resident = set(maps.mapped())
+        next(loads)
         assert maps.stats.mapped == cold_mapped and maps.stats.reused >= len(resident) > 0
         assert resident <= set(maps.mapped())
         assert d.finished(2)[-1]["bytes_read"] == 0
@@ -171,19 +180,7 @@ def test_a_reload_the_daemon_streams_again_maps_the_segments_of_the_last_load(sa
     env = {"STREAMER_CACHE_DIR": str(tmp_path / "cache"), "STREAMER_SLOT_SIZE": "8MiB", "STREAMER_SEGMENT_IDLE_S": "30"}
     d = DaemonProcess(tmp_path, env, "--shm-budget", "96MiB").start()
     try:
-        for key, value in d.rank_env().items():
-            if key.startswith("STREAMER_"):
-                monkeypatch.setenv(key, value)
-        maps = segment_maps(d.shm_dir)
-        truth = ground_truth(sample)
-        mapped = []
-        for launch in ("cold", "warm", "again"):
-            state = streamer_client.load_state_dict(str(sample), launch_id=launch)
-            assert state.keys() == truth.keys()
-            for name, want in truth.items():
-                assert torch.equal(state[name].view(-1).view(torch.uint8), want.view(-1).view(torch.uint8)), name
-            del state
-            mapped.append(maps.stats.mapped)
+        mapped = [maps.stats.mapped for maps in _loads_here(d, sample, ("cold", "warm", "again"), monkeypatch)]
         assert all(f["bytes_read"] > 0 for f in d.finished(3))
 
         def logged() -> list[int] | None:  # a session's line follows its summary
