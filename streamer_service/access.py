@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from streamer_client.errors import ConfigError, StorageAccessDeniedError
 
 from .settings import Settings
-from .uri import StorageURI, parse_uri
+from .uri import Scheme, StorageURI, parse_uri
 
 __all__ = ["AllowList", "check_shared_access", "dir_mode", "file_mode", "socket_mode"]
 
@@ -64,13 +64,17 @@ class AllowList:
     def __init__(self, prefixes: Iterable[str]) -> None:
         self.written: list[str] = []  # what a request's text is compared with
         self.resolved: list[str] = []  # where a local request must still be once resolved
+        schemes: set[Scheme] = set()
         for prefix in prefixes:
             parsed = parse_uri(prefix)
             self.written.append(parse_uri(prefix, resolve=False).normalized)
+            schemes.add(parsed.scheme)
             if parsed.is_local:
                 self.written.append(parsed.normalized)
                 self.resolved.append(parsed.normalized)
         self.any = not self.written
+        # The object stores a request may name: those of the prefixes, or all of them.
+        self.cloud_schemes = frozenset((set(Scheme) if self.any else schemes) - {Scheme.LOCAL})
 
     def refusal(self, uri: str) -> StorageAccessDeniedError:
         """The one answer for every URI outside the prefixes."""

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import mmap
+import os
 import re
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from daemon_harness import DaemonProcess, ShmSampler, finish
+from daemon_harness import DaemonProcess, ShmSampler, finish, wait_until
 
 from streamer_service.checkpoint.catalog import build_catalog
 from streamer_service.sample import rank_selection
@@ -130,6 +132,44 @@ def test_a_daemon_that_served_a_load_holds_no_torch(sample, daemon):
     maps = Path(f"/proc/{d.proc.pid}/maps").read_text()
     assert "libstreamer" in maps  # Run:ai's library did the reading
     assert "libtorch" not in maps
+
+
+@pytest.mark.parametrize(
+    ("allow", "prepared"),
+    [(["s3://models-bucket/llama"], "s3"), ([], "az, gs, s3"), (["LOCAL"], "none (local dirs only)")],
+    ids=["s3-allowed", "any-uri", "local-only"],
+)
+def test_a_daemon_prepares_the_storage_sdks_of_what_it_may_read_at_start_and_sends_nothing(tmp_path, daemon, allow, prepared):
+    # A fresh daemon's first load would otherwise import the SDK and build its first client (the
+    # catalog's, the version checks') while its loading thread waits for the GIL.
+    with socket.socket() as endpoint:
+        endpoint.bind(("127.0.0.1", 0))
+        endpoint.listen()
+        endpoint.setblocking(False)
+        url = f"http://127.0.0.1:{endpoint.getsockname()[1]}"
+        flags = [f"--allow={str(tmp_path) if prefix == 'LOCAL' else prefix}" for prefix in allow]
+        d = daemon({"AWS_ENDPOINT_URL": url, "STORAGE_EMULATOR_HOST": url, "STREAMER_LOG_LEVEL": "INFO"}, *flags)
+        line = _prepared_line(d)
+        assert (line.group(1), line.group(2)) == (prepared, "")
+        with pytest.raises(BlockingIOError):
+            endpoint.accept()  # no connection: placeholder credentials, no request
+    assert d.healthy()
+
+
+def test_a_storage_sdk_that_cannot_be_imported_leaves_the_others_prepared_and_is_named(tmp_path, daemon):
+    shadow = tmp_path / "shadow" / "azure"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text('raise ImportError("no Azure SDK in this image")\n')
+    path = os.pathsep.join(filter(None, [str(shadow.parent), os.environ.get("PYTHONPATH")]))
+    d = daemon({"PYTHONPATH": path, "STREAMER_LOG_LEVEL": "INFO"})
+    line = _prepared_line(d)
+    assert (line.group(1), line.group(2)) == ("gs, s3", "; not az: ImportError: no Azure SDK in this image")
+    assert d.healthy()
+
+
+def _prepared_line(d: DaemonProcess) -> re.Match:
+    pattern = re.compile(r"storage backends prepared at start \([0-9.]+ s\): (.*?)((?:; not .*)?)$", re.MULTILINE)
+    return wait_until(lambda: pattern.search(d.log.read_text()), what="the daemon's line of what it prepared")
 
 
 def test_rank_killed_mid_load_others_finish_and_shm_is_reclaimed(sample, daemon):

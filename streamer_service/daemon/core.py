@@ -29,6 +29,7 @@ from ..uri import StorageURI
 from .ledger import UNFINISHED, RankStatus
 from .metrics import Metrics, build_info
 from .pages import small_pages_advice
+from .preload import start_preloading
 from .process import ProcessWatch
 from .resident import ResidentStore
 from .segment_pool import SegmentPool
@@ -129,7 +130,7 @@ class Daemon:
             log.warning("no --allow prefixes: this daemon will read any URI its credentials reach")
         self._reaper = threading.Thread(target=self._reap_supervised, name="reaper", daemon=True)
         self._reaper.start()
-        threading.Thread(target=_preload_native_reader, name="runai-preload", daemon=True).start()
+        start_preloading(self.allow.cloud_schemes)
         pages = self.store.pages
         log.info(
             "daemon ready: shm %s (budget %d bytes, slots of %d, at most %d bytes in flight for %d Gbit/s, %d KiB pages: %s), cache %s",
@@ -424,15 +425,3 @@ class Daemon:
             sessions=active,
             finished=finished,
         )
-
-
-def _preload_native_reader() -> None:
-    """Open Run:ai's native reader now, not in the first load. Since the wrapper is imported without
-    Run:ai's package ``__init__`` (``runai.contract``) this is a few milliseconds and no torch; it
-    was 2.3 s of a fresh daemon's first load on a 2-core VM (docs/benchmarks.md "Daemon first load")."""
-    from ..readers.runai.contract import load_native
-
-    try:
-        load_native()
-    except Exception as exc:  # noqa: BLE001 - the first load that needs it raises it as a ConfigError
-        log.debug("Run:ai's native reader not preloaded: %s", exc)

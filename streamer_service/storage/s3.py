@@ -71,6 +71,13 @@ def _session() -> botocore.session.Session:
     return session
 
 
+def prepare() -> None:
+    """Make and drop a client with placeholder credentials and region: loads what every client of
+    this process shares (botocore's client modules, the S3 model and endpoint rules, through the
+    process's one loader) without a credential lookup or a request."""
+    _session().create_client("s3", region_name="us-east-1", aws_access_key_id="prepare", aws_secret_access_key="prepare").close()
+
+
 class S3Storage(Storage):
     def __init__(self, uri: StorageURI, settings: Settings) -> None:
         super().__init__(uri)

@@ -1,0 +1,44 @@
+"""What a fresh daemon's first load would otherwise wait for, done on a thread as the daemon starts:
+opening Run:ai's native reader (its ctypes wrapper only, ``runai.contract``: not Run:ai's package,
+whose ``__init__`` imports torch and boto3), and preparing the storage SDKs of the object stores it
+may read (their imports and botocore's models, which the first client a load makes for its catalog
+or its version checks would otherwise build while holding the GIL its loading thread needs;
+docs/deploy.md, "Segments made at start")."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Set
+
+from ..storage import prepare_backends
+from ..uri import Scheme
+
+__all__ = ["start_preloading"]
+
+log = logging.getLogger(__name__)
+
+
+def start_preloading(schemes: Set[Scheme]) -> None:
+    """Preload on a thread of its own. Not a daemon thread: a stop right after start waits the
+    moment it takes (nothing in it waits for the network) rather than end the interpreter under an
+    import or a log line."""
+    threading.Thread(target=_preload, args=(frozenset(schemes),), name="preload").start()
+
+
+def _preload(schemes: frozenset[Scheme]) -> None:
+    from ..readers.runai.contract import load_native
+
+    try:
+        load_native()
+    except Exception as exc:  # noqa: BLE001 - the first load that needs it raises it as a ConfigError
+        log.debug("Run:ai's native reader not preloaded: %s", exc)
+    started = time.monotonic()
+    failed = prepare_backends(sorted(schemes))
+    prepared = ", ".join(scheme.value for scheme in sorted(schemes) if scheme not in failed)
+    not_prepared = "".join(f"; not {scheme.value}: {type(exc).__name__}: {exc}" for scheme, exc in failed.items())
+    log.info(
+        "storage backends prepared at start (%.2f s): %s%s",
+        time.monotonic() - started, prepared or ("none" if failed else "none (local dirs only)"), not_prepared,
+    )  # fmt: skip
