@@ -12,6 +12,7 @@ import pytest
 
 from streamer_service.bench.report import RatioRow, missed_targets
 from streamer_service.bench.scenarios import Scenario, selections
+from streamer_service.bench.sources import free_ports
 from streamer_service.checkpoint.header import TensorInfo
 from streamer_service.sample import rank_selection
 
@@ -60,6 +61,15 @@ def test_a_row_that_misses_its_own_target_is_named():
         "seaweed replicated N=2: bytes B÷A 0.520, target = 0.500",
         "seaweed replicated N=4: time B÷A -, target ≤ 0.30",
     ]
+
+
+def test_seaweed_ports_never_take_another_components_grpc_port():
+    # Each weed component listens on its port and on port + 10000; weed refuses to start when one
+    # component's port is another's gRPC port, so the bench's picks must never overlap that way.
+    for _ in range(50):
+        ports = free_ports(6, partner=10000)
+        every = [*ports, *(p + 10000 for p in ports)]
+        assert len(set(every)) == len(every) == 12
 
 
 def test_unknown_source_is_a_usage_error(tmp_path):

@@ -41,7 +41,7 @@ from streamer_client.errors import ConfigError
 from .latency import LatencyProxy
 from .source import BUCKET, HOST, PREFIX, Source
 
-__all__ = ["SOURCES", "Source", "LocalSource", "MotoSource", "SeaweedSource", "open_source"]
+__all__ = ["SOURCES", "Source", "LocalSource", "MotoSource", "SeaweedSource", "free_ports", "open_source"]
 
 SOURCES = ("local", "moto", "seaweed", "gcs", "azure")
 _ACCESS_KEY = "benchkey"
@@ -189,9 +189,9 @@ class SeaweedSource(_S3Source):
         identity = {"name": "bench", "credentials": [{"accessKey": _ACCESS_KEY, "secretKey": _SECRET_KEY}],
                     "actions": ["Admin", "Read", "List", "Write"]}  # fmt: skip
         (root / "s3.json").write_text(json.dumps({"identities": [identity]}))
-        # Each component also listens on its port + 10000 (gRPC): take ports whose partner is free too.
-        master, volume, filer, s3, admin = (free_port(partner=10000) for _ in range(5))
-        self.metrics_port = free_port()
+        # Each component also listens on its port + 10000 (gRPC): ports whose partners are free too,
+        # and none another's partner (weed refuses a port that is another component's gRPC port).
+        master, volume, filer, s3, admin, self.metrics_port = free_ports(6, partner=10000)
         self.grpc_sockets = [Path(f"/tmp/seaweedfs-master-grpc-{master + 10000}.sock"),
                              Path(f"/tmp/seaweedfs-volume-grpc-{volume + 10000}.sock")]  # fmt: skip
         self.log = root / "weed.log"
@@ -363,6 +363,20 @@ def free_port(partner: int = 0) -> int:
                 s.bind((HOST, port + partner))
                 return port
     raise RuntimeError("no free loopback port pair found")
+
+
+def free_ports(count: int, partner: int) -> list[int]:
+    """``count`` free loopback ports (:func:`free_port` with ``partner``) whose ports and partners
+    are all distinct: no port is another's ``port + partner``."""
+    ports: list[int] = []
+    for _ in range(200):
+        if len(ports) == count:
+            return ports
+        port = free_port(partner)
+        taken = {*ports, *(p + partner for p in ports)}
+        if port not in taken and port + partner not in taken:
+            ports.append(port)
+    raise RuntimeError(f"no {count} free loopback ports with distinct partners found")
 
 
 def _venv_binary(name: str, install: str) -> str:
