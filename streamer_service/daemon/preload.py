@@ -34,9 +34,9 @@ def _preload(schemes: frozenset[Scheme]) -> None:
         load_native()
     except Exception as exc:  # noqa: BLE001 - the first load that needs it raises it as a ConfigError
         log.debug("Run:ai's native reader not preloaded: %s", exc)
-    started = time.monotonic()
-    failed = prepare_backends(sorted(schemes))
-    prepared = ", ".join(scheme.value for scheme in sorted(schemes) if scheme not in failed)
+    started, ordered = time.monotonic(), sorted(schemes)
+    failed = prepare_backends(ordered)
+    prepared = ", ".join(scheme.value for scheme in ordered if scheme not in failed)
     not_prepared = "".join(f"; not {scheme.value}: {type(exc).__name__}: {exc}" for scheme, exc in failed.items())
     log.info(
         "storage backends prepared at start (%.2f s): %s%s",

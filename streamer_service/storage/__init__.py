@@ -23,8 +23,7 @@ is first opened: a process that reads a local directory imports no cloud SDK."""
 
 def open_storage(uri: StorageURI, settings: Settings) -> Storage:
     """The backend for ``uri``'s scheme."""
-    module, _, name = BACKENDS[uri.scheme].partition(":")
-    backend: type[Storage] = getattr(_backend_module(uri.scheme), name)
+    backend: type[Storage] = getattr(_backend_module(uri.scheme), BACKENDS[uri.scheme].partition(":")[2])
     return backend(uri, settings)
 
 
