@@ -24,7 +24,7 @@ NIC rate (``STREAMER_TARGET_GBPS``, docs/configuration.md "Read parallelism"):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from streamer_client.settings import MIN_SHM_BUDGET
 
@@ -101,8 +101,7 @@ def submission_size(in_flight: int | None, *, local: bool = False) -> int:
     return in_flight // REQUESTS_IN_FLIGHT if in_flight and not local else 0
 
 
-@dataclass(frozen=True)
-class ReadParallelism:
+class ReadParallelism(NamedTuple):
     """Run:ai's object-storage knobs for a node NIC of ``target_gbps`` Gbit/s.
 
     Run:ai's own concurrency (8 clients) up to 200 Gbit/s, 8 more per 200 beyond; each S3 client

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -380,8 +379,8 @@ def test_fingerprint() -> None:
     # Non-weight files do not invalidate the catalog...
     assert key == Catalog.fingerprint(objects[:3] + [ObjectInfo("config.json", 11, "e5")])
     # ...a changed shard, size or index does.
-    assert key != Catalog.fingerprint([replace(objects[0], etag="new")] + objects[1:])
-    assert key != Catalog.fingerprint([replace(objects[1], size=201)] + objects[:1] + objects[2:])
+    assert key != Catalog.fingerprint([objects[0]._replace(etag="new")] + objects[1:])
+    assert key != Catalog.fingerprint([objects[1]._replace(size=201)] + objects[:1] + objects[2:])
     assert key != Catalog.fingerprint(objects[:2] + objects[3:])
 
 

@@ -97,6 +97,12 @@ LIGHT_LOAD = textwrap.dedent(
                 runai.append(name)  # recorded here: the wrapper's import takes its modules out of sys.modules again
 
     sys.meta_path.insert(0, RefuseHeavy())
+    import dataclasses
+    build, built = dataclasses._process_class, []  # what every @dataclass goes through
+    def counted(cls, *args, **kwargs):
+        built.append(cls.__module__ + "." + cls.__qualname__)
+        return build(cls, *args, **kwargs)
+    dataclasses._process_class = counted
     full = []
     gc.callbacks.append(lambda phase, info: phase == "start" and info["generation"] == 2 and full.append(1))
     import streamer_client
@@ -108,7 +114,8 @@ LIGHT_LOAD = textwrap.dedent(
     ours = sorted(m for m in sys.modules if m.split(".")[0] in ("streamer_client", "streamer_service"))
     print(json.dumps({"digests": digests, "attempted": attempted, "loaded": loaded, "devices": devices,
                       "service": "streamer_service" in sys.modules, "full_collections": len(full),
-                      "ours": ours, "runai": runai}))
+                      "ours": ours, "runai": runai,
+                      "dataclasses": sorted(c for c in built if c.split(".")[0] in ("streamer_client", "streamer_service"))}))
     """
 )
 DEVICES = ["cpu", pytest.param("cuda:0", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))]
@@ -135,6 +142,17 @@ def test_an_in_process_load_imports_nothing_heavy(sample, tmp_path, device):
     # The collector is left running: the engine's first import no longer sets off a full
     # collection (which, in a process with torch, walks every object torch made).
     assert got["full_collections"] == 0
+    # Each dataclass compiles its methods from source as its module is imported; the records a
+    # load makes per tensor, batch and read are NamedTuples, which compile nothing of their own.
+    assert got["dataclasses"] == IN_PROCESS_DATACLASSES
+
+
+# The dataclasses a first load builds: those that check their fields on construction.
+IN_PROCESS_DATACLASSES = [
+    "streamer_client.request.StreamRequest",
+    "streamer_service.embedded.engine.EngineConfig",
+    "streamer_service.uri.StorageURI",
+]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -143,6 +161,7 @@ def test_a_load_through_the_daemon_imports_nothing_heavy_nor_the_service(daemon,
     got = _light_load(sample, device, d.rank_env())
     assert (got["attempted"], got["loaded"]) == ([], [])
     assert not got["service"], "the rank fell back to loading in-process, or imported the service"
+    assert got["dataclasses"] == ["streamer_client.request.StreamRequest"]
     assert got["devices"] == [device]
     assert got["digests"] == _digests(sample)
 

@@ -8,8 +8,7 @@ tensor of it is materialized, not when the header is read.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     import torch
@@ -17,8 +16,7 @@ if TYPE_CHECKING:
 __all__ = ["DType", "DTYPES", "torch_dtype", "tensor_over", "byte_view"]
 
 
-@dataclass(frozen=True)
-class DType:
+class DType(NamedTuple):
     name: str
     bits: int  # per element; sub-byte types (F4, F6) pack several per byte
     torch_name: str | None

@@ -4,7 +4,8 @@ client (``streamer_client.daemon``) both import, so the two sides cannot drift a
 Both directions are typed here: the client builds each request body with its class's
 ``to_wire`` and reads each reply with ``from_wire``; the daemon validates request bodies with
 pydantic models of the same fields (plus their limits; a test compares the two) and builds its
-replies with ``to_wire``:
+replies with ``to_wire``. Each record is a ``NamedTuple`` (a rank imports this module for its
+first load; a dataclass would compile its methods then); a dict-form body is its fields:
 
 - ``POST /v1/metadata``: :class:`MetadataRequest` -> :class:`MetadataReply`
 - ``POST /v1/sessions/join``: :class:`JoinRequest` -> :class:`JoinReply`
@@ -23,8 +24,7 @@ Nothing here needs torch, numpy or httpx.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 from . import errors
 from .errors import DaemonError, StreamerError
@@ -57,34 +57,27 @@ def rank_path(session_id: str, rank: int, action: str) -> str:
     return f"/v1/sessions/{session_id}/ranks/{rank}/{action}"
 
 
-class _Body:
-    """A request body: its fields, as JSON."""
-
-    def to_wire(self) -> dict:
-        return asdict(self)
-
-
-@dataclass(frozen=True)
-class MetadataRequest(_Body):
+class MetadataRequest(NamedTuple):
     uri: str
     force: bool | None = None  # the caller's force-pull; None: the daemon's setting
     launch_id: str | None = None
 
+    def to_wire(self) -> dict:
+        return self._asdict()
 
-@dataclass(frozen=True)
-class MetadataReply:
+
+class MetadataReply(NamedTuple):
     path: str  # the node-cache directory of the pulled metadata
 
     def to_wire(self) -> dict:
-        return {"path": self.path}
+        return self._asdict()
 
     @classmethod
     def from_wire(cls, data: dict) -> MetadataReply:
         return cls(data["path"])
 
 
-@dataclass(frozen=True)
-class JoinRequest(_Body):
+class JoinRequest(NamedTuple):
     uri: str
     session: str  # the session key the node's ranks of one load share
     rank: int
@@ -94,25 +87,31 @@ class JoinRequest(_Body):
     launch_id: str | None = None
     force: bool | None = None  # TRTLLM_OBJECT_STORAGE_FORCE_PULL of the rank; None: the daemon's
 
+    def to_wire(self) -> dict:
+        return self._asdict()
 
-@dataclass(frozen=True)
-class NextRequest(_Body):
+
+class NextRequest(NamedTuple):
     release: list[int]  # batches this rank is done with
     wait_s: float  # how long the daemon may wait for a batch to be ready
 
+    def to_wire(self) -> dict:
+        return self._asdict()
 
-@dataclass(frozen=True)
-class LeaveRequest(_Body):
+
+class LeaveRequest(NamedTuple):
     error: str | None = None  # the rank failed with this (None: done, or abandoning)
+
+    def to_wire(self) -> dict:
+        return self._asdict()
 
 
 def request_fields() -> dict[str, tuple[str, ...]]:
     """Each request body's field names, by class name (the daemon's models have the same)."""
-    return {cls.__name__: tuple(f.name for f in fields(cls)) for cls in (MetadataRequest, JoinRequest, NextRequest, LeaveRequest)}
+    return {cls.__name__: cls._fields for cls in (MetadataRequest, JoinRequest, NextRequest, LeaveRequest)}
 
 
-@dataclass(frozen=True)
-class Handle:
+class Handle(NamedTuple):
     """One tensor of a published batch: ``nbytes`` at ``offset`` of shared-memory ``segment``."""
 
     batch: int
@@ -133,8 +132,7 @@ class Handle:
         return cls(batch, segment, offset, nbytes, name, dtype, tuple(shape), dedicated)
 
 
-@dataclass(frozen=True)
-class JoinReply:
+class JoinReply(NamedTuple):
     session_id: str
     tensors: int  # how many tensors this rank will receive
     bytes: int  # ... and their bytes
@@ -146,15 +144,7 @@ class JoinReply:
     from_memory: bool = False
 
     def to_wire(self) -> dict:
-        return {
-            "session_id": self.session_id,
-            "tensors": self.tensors,
-            "bytes": self.bytes,
-            "metadata_dir": self.metadata_dir,
-            "shm_dir": self.shm_dir,
-            "shm_page_size": self.shm_page_size,
-            "from_memory": self.from_memory,
-        }
+        return self._asdict()
 
     @classmethod
     def from_wire(cls, data: dict) -> JoinReply:
@@ -164,8 +154,7 @@ class JoinReply:
         )  # fmt: skip
 
 
-@dataclass(frozen=True)
-class NextReply:
+class NextReply(NamedTuple):
     handles: tuple[Handle, ...]  # whole batches, in order
     done: bool  # this rank has been handed every tensor
 

@@ -34,7 +34,6 @@ import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -138,15 +137,15 @@ def _identity(path: Path) -> tuple[int, int, int] | None:
     return st.st_dev, st.st_ino, st.st_size
 
 
-@dataclass(eq=False)
 class MappedSegment:
-    name: str
-    path: Path
-    identity: tuple[int, int, int]
-    mapping: mmap.mmap
-    array: np.ndarray
-    users: int = 0  # loads using it now; only idle entries are swept
-    pinning: Future | None = None  # the registration, once asked for (result: page-locked or not)
+    """One segment mapped into this process, shared by the loads that use it."""
+
+    __slots__ = ("name", "path", "identity", "mapping", "array", "users", "pinning")
+
+    def __init__(self, name: str, path: Path, identity: tuple[int, int, int], mapping: mmap.mmap, array: np.ndarray) -> None:
+        self.name, self.path, self.identity, self.mapping, self.array = name, path, identity, mapping, array
+        self.users = 0  # loads using it now; only idle entries are swept
+        self.pinning: Future | None = None  # the registration, once asked for (result: page-locked or not)
 
     @property
     def address(self) -> int:
@@ -305,13 +304,14 @@ class SegmentMaps:
                     return
 
 
-@dataclass(eq=False)
 class Load:
     """The segments one load uses; gives them back (to the cache) at :meth:`close`."""
 
-    maps: SegmentMaps
-    populate: bool
-    _used: dict[str, MappedSegment] = field(default_factory=dict)
+    __slots__ = ("maps", "populate", "_used")
+
+    def __init__(self, maps: SegmentMaps, populate: bool) -> None:
+        self.maps, self.populate = maps, populate
+        self._used: dict[str, MappedSegment] = {}
 
     def segment(self, name: str) -> MappedSegment:
         entry = self._used.get(name)

@@ -25,7 +25,6 @@ import logging
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
@@ -280,7 +279,7 @@ def _follow_index(headers: Sequence[FileHeader], weight_map: Mapping[str, str], 
         "(e.g. %r from %r, not %r)",
         storage.uri, len(dropped), INDEX_NAME, first, weight_map[first], dropped[first][0],
     )  # fmt: skip
-    return [replace(h, tensors=tuple(t for t in h.tensors if h.file not in dropped.get(t.name, ()))) for h in headers]
+    return [h._replace(tensors=tuple(t for t in h.tensors if h.file not in dropped.get(t.name, ()))) for h in headers]
 
 
 def _check_against_index(headers: Sequence[FileHeader], weight_map: Mapping[str, str], storage: Storage) -> None:

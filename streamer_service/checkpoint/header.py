@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import struct
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from streamer_client.dtypes import DTYPES
@@ -62,8 +61,7 @@ _TENSOR_KEYS = frozenset({"dtype", "shape", "data_offsets"})
 _U64_MAX = 2**64 - 1  # the crate counts sizes in usize
 
 
-@dataclass(frozen=True)
-class TensorInfo:
+class TensorInfo(NamedTuple):
     """Where one tensor's bytes live.
 
     ``file`` is the object name relative to the checkpoint prefix; ``offset``
@@ -93,8 +91,7 @@ class TensorInfo:
         }
 
 
-@dataclass(frozen=True)
-class FileHeader:
+class FileHeader(NamedTuple):
     """The validated header of one safetensors file; ``tensors`` sorted by offset."""
 
     file: str

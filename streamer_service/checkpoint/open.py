@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from streamer_client.errors import CheckpointError, HeaderError, ObjectNotFoundError
 
@@ -32,8 +32,7 @@ log = logging.getLogger(__name__)
 _LISTED_AGAIN = "listed just now; if an upload is still in progress, load again once it has finished"
 
 
-@dataclass(frozen=True)
-class Checkpoint:
+class Checkpoint(NamedTuple):
     uri: StorageURI
     metadata_dir: Path
     catalog: Catalog

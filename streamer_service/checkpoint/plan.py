@@ -35,7 +35,7 @@ import bisect
 import enum
 import mmap
 from collections.abc import Sequence, Set
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from streamer_client.errors import ConfigError, SelectionError
 
@@ -219,8 +219,7 @@ class BatchKind(enum.Enum):
     """One tensor that fits no slot: a dedicated buffer, read in parts of at most ``slot_size``."""
 
 
-@dataclass(frozen=True)
-class FileRange:
+class FileRange(NamedTuple):
     """``nbytes`` read from ``file`` at ``offset`` into the batch buffer at ``buffer_offset``."""
 
     file: str
@@ -233,16 +232,14 @@ class FileRange:
         return self.offset + self.nbytes
 
 
-@dataclass(frozen=True)
-class Placement:
+class Placement(NamedTuple):
     """Where a tensor's bytes land in its batch's buffer."""
 
     tensor: TensorInfo
     buffer_offset: int
 
 
-@dataclass(frozen=True)
-class Batch:
+class Batch(NamedTuple):
     """One buffer's worth: the ranges to read into it and the tensors they deliver, in order.
 
     ``buffer_bytes`` is what the buffer must hold (data plus alignment pads); a batch of empty
@@ -264,8 +261,7 @@ class Batch:
         return tuple(dict.fromkeys(r.file for r in self.ranges))
 
 
-@dataclass(frozen=True)
-class Plan:
+class Plan(NamedTuple):
     """Batches in delivery order, for slots of ``slot_size`` bytes with ranges aligned to ``align``."""
 
     batches: tuple[Batch, ...]
@@ -400,10 +396,12 @@ def _oversized(tensor: TensorInfo, slot_size: int, align: int) -> Batch:
 # --------------------------------------------------------------------------- oversized tensors in parts
 
 
-@dataclass(frozen=True)
-class Part(Placement):
-    """Bytes ``[start, start + nbytes)`` of an oversized tensor, alone in a slot batch (:func:`in_parts`)."""
+class Part(NamedTuple):
+    """Bytes ``[start, start + nbytes)`` of an oversized tensor, alone in a slot batch (:func:`in_parts`):
+    placed like a :class:`Placement` (``tensor``, ``buffer_offset``), and delivered with its last part."""
 
+    tensor: TensorInfo
+    buffer_offset: int
     start: int
     nbytes: int
 

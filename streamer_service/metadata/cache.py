@@ -31,9 +31,9 @@ import socket
 import stat
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
+from typing import NamedTuple
 
 from streamer_client.errors import (
     CacheError,
@@ -127,8 +127,7 @@ def safe_relative_path(name: str, uri: str) -> PurePosixPath:
     return PurePosixPath(name)
 
 
-@dataclass(frozen=True)
-class Marker:
+class Marker(NamedTuple):
     """The parsed ``.runai_complete`` of a cache dir."""
 
     uri: str

@@ -22,16 +22,14 @@ The contract, for every implementation:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from streamer_client.errors import StorageError
 
 __all__ = ["FileReads", "RangeResult", "ReadRange", "Reader", "ReaderFactory"]
 
 
-@dataclass(frozen=True)
-class ReadRange:
+class ReadRange(NamedTuple):
     """``nbytes`` from ``offset`` of a file, written to absolute address ``dst``."""
 
     offset: int
@@ -47,16 +45,14 @@ class ReadRange:
         return f"{path}: bytes [{self.offset}, {self.end})"
 
 
-@dataclass(frozen=True)
-class FileReads:
+class FileReads(NamedTuple):
     """The ranges to read from one file: a local path or a full ``s3://``/``gs://``/``az://`` URI."""
 
     path: str
     ranges: tuple[ReadRange, ...]
 
 
-@dataclass(frozen=True)
-class RangeResult:
+class RangeResult(NamedTuple):
     """The answer for one range: ``error`` is ``None`` on success, else a :class:`StorageError`
     naming the path and byte range. ``submission_done`` is true for a submission's last answer."""
 

@@ -46,8 +46,7 @@ import time
 from array import array
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from streamer_client import copier
 from streamer_client.copier import _copier  # None where it did not build: Run:ai reads local files
@@ -69,8 +68,7 @@ def available() -> bool:
 # --------------------------------------------------------------------------- mappings
 
 
-@dataclass(frozen=True)
-class _Identity:
+class _Identity(NamedTuple):
     device: int
     inode: int
     size: int
@@ -187,8 +185,7 @@ _pool = copier.pool
 # --------------------------------------------------------------------------- the reader
 
 
-@dataclass
-class _Submission:
+class _Submission(NamedTuple):
     id: int
     files: tuple[FileReads, ...]
     keepalive: Any  # destination buffers and source mappings, until the copies are done

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 from ..uri import StorageURI
 
 __all__ = ["ObjectInfo", "Storage"]
 
 
-@dataclass(frozen=True)
-class ObjectInfo:
+class ObjectInfo(NamedTuple):
     """One object under a URI's prefix.
 
     ``name`` is the path relative to the prefix, '/'-separated, exactly as the
