@@ -161,7 +161,9 @@ def main() -> int:
         (work / "mark" / f"{MARK}.py").write_text("")
         env = {k: v for k, v in os.environ.items() if k not in ("STREAMER_SOCKET", "PYTHONDONTWRITEBYTECODE")}
         env.update(PYTHONPYCACHEPREFIX=str(work / "pyc"), STREAMER_CACHE_DIR=str(work / "cache"), STREAMER_PROGRESS="off")
-        checkouts = [("", [])] + ([(" (baseline)", [str(args.baseline), str(args.baseline / "client")])] if args.baseline else [])
+        # Absolute: each run's working directory is the checkpoint's.
+        base = args.baseline.resolve() if args.baseline else None
+        checkouts = [("", [])] + ([(" (baseline)", [str(base), str(base / "client")])] if base else [])
         summaries = {}
         for label, code in checkouts:
             # The baseline's packages come first on the path, before this venv's installed ones.
