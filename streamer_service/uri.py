@@ -16,8 +16,8 @@ import enum
 import hashlib
 import os
 import re
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from streamer_client.errors import InvalidURIError
 
@@ -37,8 +37,7 @@ _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{1,220}[a-z0-9]$")
 _CLOUD_RE = re.compile(r"^(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://(?P<rest>.*)$", re.DOTALL)
 
 
-@dataclass(frozen=True)
-class StorageURI:
+class StorageURI(NamedTuple):
     """A validated checkpoint location.
 
     ``bucket`` is the bucket or container ('' for local dirs); ``prefix`` has

@@ -151,7 +151,6 @@ def test_an_in_process_load_imports_nothing_heavy(sample, tmp_path, device):
 IN_PROCESS_DATACLASSES = [
     "streamer_client.request.StreamRequest",
     "streamer_service.embedded.engine.EngineConfig",
-    "streamer_service.uri.StorageURI",
 ]
 
 
