@@ -2,7 +2,8 @@ import os
 
 import pytest
 
-from streamer_client.errors import InvalidURIError
+from streamer_client.errors import InvalidURIError, ObjectNotFoundError
+from streamer_client.protocol import error_body
 from streamer_service.uri import Scheme, parse_uri
 
 
@@ -80,3 +81,13 @@ def test_local_file_is_not_a_directory(tmp_path):
 def test_non_string_uri():
     with pytest.raises(InvalidURIError, match="must be a string"):
         parse_uri(42)
+
+
+def test_an_error_given_a_parsed_uri_names_it_as_text():
+    uri = parse_uri("s3://bucket/models/llama")
+    error = ObjectNotFoundError("gone", uri=uri, key="model.safetensors")
+    assert error.uri == "s3://bucket/models/llama"
+    assert (
+        error_body(type(error).__name__, error.message, uri=error.uri, key=error.key)["error"]["uri"]
+        == "s3://bucket/models/llama"
+    )

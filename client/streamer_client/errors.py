@@ -57,7 +57,7 @@ class StreamerError(Exception):
     def __init__(self, message: str, *, uri: str | None = None, key: str | None = None) -> None:
         super().__init__(message)
         self.message = message
-        self.uri = uri
+        self.uri = None if uri is None else str(uri)  # text, also when given a parsed URI
         self.key = key
 
     def __str__(self) -> str:
