@@ -54,19 +54,25 @@ HEAVY = (
 )
 MARK = "_import_time_mark"  # an empty module imported just before streamer_client: the line after which imports count
 
-RUN = """
-import dataclasses, json, sys, time, torch, numpy
-device = sys.argv[2]
-if device.startswith("cuda"):
-    torch.zeros(1, device=device)  # the CUDA context, and torch's lazy CUDA imports, before the mark
+# Run in a measured process before our imports: ``built`` gets (module.qualname, seconds) for
+# every dataclass built from then on (tests/test_imports.py runs it too).
+DATACLASS_HOOK = """
+import dataclasses, time
 build, built = dataclasses._process_class, []  # the one function every @dataclass goes through
 def timed(cls, *args, **kwargs):
     started = time.perf_counter()
     try:
         return build(cls, *args, **kwargs)
     finally:
-        built.append((cls.__module__, time.perf_counter() - started))
+        built.append((cls.__module__ + "." + cls.__qualname__, time.perf_counter() - started))
 dataclasses._process_class = timed
+"""
+RUN = """
+import json, sys, torch, numpy
+device = sys.argv[2]
+if device.startswith("cuda"):
+    torch.zeros(1, device=device)  # the CUDA context, and torch's lazy CUDA imports, before the mark
+{hook}
 import {mark}
 import streamer_client
 state = streamer_client.load_state_dict(sys.argv[1], device=device)
@@ -80,7 +86,7 @@ LINE = re.compile(r"import time:\s+(\d+) \|\s+(\d+) \|( *)(\S+)")
 def one_run(checkpoint: Path, device: str, env: dict[str, str]) -> tuple[dict[str, tuple[float, float]], float, dict]:
     """``{module: (self ms, cumulative ms)}`` of what the load imported, ``import torch`` (ms), and
     ``{"modules": our modules loaded, "dataclasses": ms building each of our dataclasses}``."""
-    code = RUN.format(mark=MARK, ours=OURS)
+    code = RUN.format(hook=DATACLASS_HOOK, mark=MARK, ours=OURS)
     # Run beside the checkpoint: ``-c`` puts the working directory first on the path, where a
     # checkout's packages would shadow the ones asked for.
     result = subprocess.run([sys.executable, "-X", "importtime", "-c", code, str(checkpoint), device], env=env,

@@ -19,7 +19,7 @@ import torch
 from checkpoints import ground_truth, tensor_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from import_time import HEAVY  # noqa: E402  (what a rank's load must not import; the benchmark reports it too)
+from import_time import DATACLASS_HOOK, HEAVY, OURS  # noqa: E402  (what a rank's load must not import; the benchmark reports it too)
 
 BLOCK_TORCH = textwrap.dedent(
     """
@@ -81,7 +81,7 @@ def test_pulling_metadata_in_process_does_not_import_torch(sample, tmp_path):
 
 # Imports after torch and numpy (what an engine process has) are watched: a heavy one is
 # refused and recorded, so that one imported under ``try: ... except ImportError`` shows too.
-LIGHT_LOAD = textwrap.dedent(
+LIGHT_LOAD = DATACLASS_HOOK + textwrap.dedent(  # the hook: our dataclasses the load builds
     """
     import gc, hashlib, importlib.abc, json, sys
     import torch, numpy
@@ -97,12 +97,7 @@ LIGHT_LOAD = textwrap.dedent(
                 runai.append(name)  # recorded here: the wrapper's import takes its modules out of sys.modules again
 
     sys.meta_path.insert(0, RefuseHeavy())
-    import dataclasses
-    build, built = dataclasses._process_class, []  # what every @dataclass goes through
-    def counted(cls, *args, **kwargs):
-        built.append(cls.__module__ + "." + cls.__qualname__)
-        return build(cls, *args, **kwargs)
-    dataclasses._process_class = counted
+    OURS = tuple(json.loads(sys.argv[4]))
     full = []
     gc.callbacks.append(lambda phase, info: phase == "start" and info["generation"] == 2 and full.append(1))
     import streamer_client
@@ -111,18 +106,18 @@ LIGHT_LOAD = textwrap.dedent(
                for n, t in state.items()}
     loaded = sorted(m for m in sys.modules if any(m == h or m.startswith(h + ".") for h in HEAVY))
     devices = sorted({str(t.device) for t in state.values()})
-    ours = sorted(m for m in sys.modules if m.split(".")[0] in ("streamer_client", "streamer_service"))
+    ours = sorted(m for m in sys.modules if m.split(".")[0] in OURS)
     print(json.dumps({"digests": digests, "attempted": attempted, "loaded": loaded, "devices": devices,
                       "service": "streamer_service" in sys.modules, "full_collections": len(full),
                       "ours": ours, "runai": runai,
-                      "dataclasses": sorted(c for c in built if c.split(".")[0] in ("streamer_client", "streamer_service"))}))
+                      "dataclasses": sorted(c for c, _ in built if c.split(".")[0] in OURS)}))
     """
 )
 DEVICES = ["cpu", pytest.param("cuda:0", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))]
 
 
 def _light_load(uri, device: str, env: dict[str, str]) -> dict:
-    result = subprocess.run([sys.executable, "-c", LIGHT_LOAD, str(uri), device, json.dumps(HEAVY)], env=env,
+    result = subprocess.run([sys.executable, "-c", LIGHT_LOAD, str(uri), device, json.dumps(HEAVY), json.dumps(OURS)], env=env,
                             capture_output=True, text=True, timeout=180)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
