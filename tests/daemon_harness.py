@@ -151,6 +151,79 @@ class DaemonProcess:
         )  # fmt: skip
 
 
+# A rank that loads, checks every tensor against the files, then answers commands on stdin:
+# "where" (how many of its tensors lie in mappings of unlinked shm files), "write NAME" (fill one
+# of its tensors with 7), "check" (which tensors differ from the files now), "exit".
+KEEPER = textwrap.dedent(
+    """
+    import json, os, sys, torch, streamer_client
+    from safetensors.torch import load_file
+    uri, rank, world, shm_dir, borrowed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5] == "1"
+    truth = {}
+    for f in sorted(os.listdir(uri)):
+        if f.endswith(".safetensors"):
+            truth.update(load_file(os.path.join(uri, f)))
+    if borrowed:
+        tensors = {n: t.clone() for n, t in streamer_client.stream(uri, rank=rank, world_size=world, borrowed=True)}
+    else:
+        tensors = dict(streamer_client.stream(uri, rank=rank, world_size=world))
+    written = set()
+
+    def differ():
+        return sorted(n for n, t in tensors.items() if n not in written and not torch.equal(t, truth[n]))
+
+    def in_unlinked_segments():
+        spans = []
+        for line in open("/proc/self/maps"):
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].startswith(shm_dir + "/") and fields[5].rstrip().endswith("(deleted)"):
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                spans.append((lo, hi))
+        return sum(any(lo <= t.data_ptr() < hi for lo, hi in spans) for t in tensors.values() if t.numel())
+
+    print(json.dumps({"loaded": len(tensors), "differ": differ(), "sized": sum(1 for t in tensors.values() if t.numel())}), flush=True)
+    for line in sys.stdin:
+        cmd, _, arg = line.strip().partition(" ")
+        if cmd == "where":
+            print(json.dumps({"in_unlinked_segments": in_unlinked_segments()}), flush=True)
+        elif cmd == "write":
+            tensors[arg].fill_(7)
+            written.add(arg)
+            print(json.dumps({"written": arg, "sevens": bool((tensors[arg] == 7).all())}), flush=True)
+        elif cmd == "check":
+            print(json.dumps({"differ": differ()}), flush=True)
+        else:
+            break
+    """
+)
+
+
+class Keeper:
+    """A rank process that keeps what it loaded (``KEEPER``), driven line by line."""
+
+    def __init__(self, d: DaemonProcess, uri, rank: int, world: int, *, borrowed: bool = False, wrap=()) -> None:
+        self.proc = subprocess.Popen(
+            [*wrap, sys.executable, "-c", KEEPER, str(uri), str(rank), str(world), str(d.shm_dir), "1" if borrowed else "0"],
+            env=d.rank_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+
+    def answer(self, command: str | None = None) -> dict:
+        if command is not None:
+            self.proc.stdin.write(command + "\n")
+            self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            self.proc.kill()
+            raise AssertionError(f"rank exited {self.proc.wait()}: {self.proc.stderr.read()[-3000:]}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write("exit\n")
+            self.proc.stdin.close()
+            assert self.proc.wait(timeout=60) == 0, self.proc.stderr.read()[-3000:]
+
+
 def _mount(directory: Path, spec: str) -> str:
     fstype, _, options = spec.rpartition(":")
     if not fstype:
