@@ -10,7 +10,7 @@ the default setting, a retention budget) the ranks copy as before.
 from __future__ import annotations
 
 import pytest
-from daemon_harness import Keeper, finish
+from daemon_harness import Keeper
 
 from streamer_service.sample import build_sample
 
@@ -55,14 +55,17 @@ def test_replicated_cpu_ranks_keep_handed_over_segments_which_no_later_load_rewr
     assert ranks[0].answer(f"write {name}") == {"written": name, "sevens": True}
     assert ranks[1].answer("check") == {"differ": []}
 
-    # Two more loads through the same daemon (another checkpoint, twice: the second takes the
-    # segments the first left idle) leave the kept tensors as they were.
+    # Two more loads through the same daemon, of another checkpoint by a borrowing rank (segments
+    # not handed over: ring slots the pool keeps, and the second load reuses those the first left
+    # idle), leave the kept tensors as they were.
     other = tmp_path / "other"
     build_sample(other, size_mb=12, seed=1)
+    reused = d.stats()["segments_reused"]
     for _ in range(2):
-        result = finish(d.start_rank(str(other), 0, 1, other, None))
-        assert result["bad"] == [] and len(result["got"]) == loaded[0]["loaded"]
-    assert d.stats()["segments_reused"] > 0
+        borrower = keepers(d, other, 0, 1, borrowed=True)
+        assert borrower.answer() == {"loaded": loaded[0]["loaded"], "differ": [], "sized": sized}
+        borrower.close()
+    assert d.stats()["segments_reused"] > reused
     assert [k.answer("check") for k in ranks] == [{"differ": []}] * 2
     for k in ranks:
         k.close()
