@@ -28,7 +28,7 @@ def _settings(args: argparse.Namespace) -> Settings:
     """The environment's settings with this command's flags on top, validated alike."""
     update = {}
     for field in ("cache_dir", "shm_dir", "socket", "shm_budget", "retention_budget", "allow", "tcp_port", "group_access",
-                  "metrics_port", "metrics_host", "target_gbps", "cpu_tensors"):  # fmt: skip
+                  "metrics_port", "metrics_host", "target_gbps"):  # fmt: skip
         value = getattr(args, field, None)
         # `is`, not `in`: a flag of 0 (`--tcp-port 0`) is a value to validate, not an absent flag.
         if value is not None and value is not False and value != []:
@@ -186,12 +186,6 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         metavar="GBITS",
         help="the node NIC's rate: Run:ai's read parallelism and the bytes in flight (STREAMER_TARGET_GBPS; default 100)",
-    )
-    serve.add_argument(
-        "--cpu-tensors",
-        choices=("copied", "mapped"),
-        help="CPU ranks that own their tensors: copy them out of the segments, or keep copy-on-write mappings of "
-        "segments handed over to them (STREAMER_CPU_TENSORS; default copied; docs/daemon.md)",
     )
     serve.add_argument(
         "--allow",

@@ -18,7 +18,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from daemon_harness import DaemonProcess, Keeper, finish
+from daemon_harness import DaemonProcess, finish
 
 MiB = 1024**2
 
@@ -137,41 +137,3 @@ def test_ring_and_resident_copy_are_charged_to_the_daemon_not_the_ranks(cgroups,
     # A stopping daemon unlinks its segments: the charge goes with them.
     assert daemon_cg.shmem() < 1 * MiB
     assert list(d.shm_dir.iterdir()) == []
-
-
-def test_handed_over_segments_stay_on_the_daemons_bill_while_ranks_keep_them(cgroups, sample, shm_root):
-    """``STREAMER_CPU_TENSORS=mapped``: the ranks' tensors lie in segments the daemon made, so their
-    pages are charged to the daemon's cgroup, outside its budget, until the last rank drops them."""
-    from streamer_service.checkpoint.catalog import build_catalog
-    from streamer_service.settings import Settings
-    from streamer_service.storage import open_storage
-    from streamer_service.uri import parse_uri
-
-    total = sum(t.nbytes for t in build_catalog(open_storage(parse_uri(str(sample)), Settings())).tensors)
-    daemon_cg = cgroups("daemon", limit=4096 * MiB)
-    ranks_cg = cgroups("ranks")
-    env = {"STREAMER_RANK_TIMEOUT_S": "300", "STREAMER_CPU_TENSORS": "mapped", "STREAMER_SLOT_SIZE": "1MiB"}
-    d = DaemonProcess(shm_root, env, "--shm-budget", "4MiB", wrap=daemon_cg.wrap).start()
-    ranks = []
-    try:
-        before = daemon_cg.shmem()
-        ranks = [Keeper(d, sample, r, 2, wrap=ranks_cg.wrap) for r in range(2)]
-        assert [k.answer()["differ"] for k in ranks] == [[], []]
-        assert d.finished(1)[-1]["state"] == "done"
-        in_use = d.stats()["shm_in_use"]
-        assert in_use <= 4 * MiB  # the budget no longer counts what the ranks keep...
-        # ...but the daemon's cgroup carries it, whole segments (a batch seldom fills its slot), one
-        # copy for both replicated ranks; and nothing of it is on the ranks'.
-        charged = daemon_cg.shmem() - before
-        assert total <= charged < 1.5 * total, (charged, total)
-        assert ranks_cg.shmem() < 1 * MiB, ranks_cg.shmem()
-        for k in ranks:
-            k.close()
-        # Once the ranks are gone, so are the pages: what is left is the daemon's own segments.
-        assert daemon_cg.shmem() - before <= d.stats()["shm_in_use"] + 1 * MiB
-    finally:
-        for k in ranks:
-            if k.proc.poll() is None:
-                k.proc.kill()
-        d.stop()
-    assert daemon_cg.shmem() < 1 * MiB

@@ -14,10 +14,9 @@
 # typing-inspection, annotated-types, annotated-doc, uvicorn), installed with ONE
 # `pip install --target` (two installs of the Run:ai wheels overwrite each other's shared package
 # folder); python3 with torch, numpy and safetensors. Environment: SIZE (default 4GiB), SHM_BUDGET
-# (8GiB), RETENTION (12GiB), MODES (A,B; A,B,C adds embedded mode), MAPPED (1: a fourth bench with
-# `--cpu-tensors mapped`; 0: none), BENCH_S (300: one bench's time limit), WORK (/tmp/ingest-work:
-# the checkpoint is kept there for the next run), OUT ($WORK/out: each bench's output, JSON and
-# daemon log, and the tables). About 4 minutes on 16 cores.
+# (8GiB), RETENTION (12GiB), MODES (A,B; A,B,C adds embedded mode), BENCH_S (300: one bench's time
+# limit), WORK (/tmp/ingest-work: the checkpoint is kept there for the next run), OUT ($WORK/out:
+# each bench's output, JSON and daemon log, and the table). About 3 minutes on 16 cores.
 set -euo pipefail
 
 SIZE=${SIZE:-4GiB}
@@ -63,18 +62,7 @@ bench fresh --ranks 1 --scenarios replicated --modes A,B --reps 2 --warmup 0
 #    is served from memory.
 bench retention --ranks 1 --scenarios replicated --modes A,B --reps 2 --warmup 0 --retention-budget "$RETENTION"
 
-# 4. MAPPED=1 (the default): the rows again, B's daemon handing its segments over to CPU
-#    ranks that keep them (--cpu-tensors mapped: no copy at the ranks).
-if [ "${MAPPED:-1}" = 1 ]; then
-    bench mapped --ranks 1,4 --scenarios replicated,disjoint --modes A,B --reps 2 --warmup 1 --cpu-tensors mapped
-fi
-
 python3 benchmarks/ingest_table.py "$OUT/main.json" "$OUT/fresh.json" "$OUT/retention.json" | tee "$OUT/table.md" || true
-if [ -f "$OUT/mapped.json" ]; then
-    echo
-    echo "with --cpu-tensors mapped:"
-    python3 benchmarks/ingest_table.py "$OUT/mapped.json" | tee "$OUT/mapped.md" || true
-fi
 echo
 echo "daemon, per load (main, fresh, retention):"
 grep -ho "in [0-9.]* s; .*" "$OUT/main.daemon.log" "$OUT/fresh.daemon.log" "$OUT/retention.daemon.log" || true

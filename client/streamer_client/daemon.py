@@ -9,10 +9,6 @@ How a batch's bytes become tensors (``delivery``, shared with the embedded engin
 
 - CPU, owned: the native copier's threads copy the whole batch into new tensors; the batch is
   released to the daemon before its tensors are yielded;
-- CPU, owned, from a daemon that hands its segments over (``STREAMER_CPU_TENSORS=mapped``): tensors
-  over a copy-on-write mapping of the batch's segment, which the daemon never writes again and
-  unlinks once every rank released it; nothing is copied, the pages are mapped as they are first
-  read, and replicated ranks share them until one writes;
 - CPU, ``borrowed=True``: views of a private mapping, released when the next batch is asked for;
 - CUDA, staged (``STREAMER_PIN_SEGMENTS=never``, and with ``auto`` a load the daemon serves whole
   from memory, or a process's first load of segments of small pages): the
@@ -56,16 +52,11 @@ log = logging.getLogger(__name__)
 
 
 class _PrivateSegments:
-    """Borrowed views, or the tensors of handed-over segments: each segment mapped copy-on-write
-    for this load only (see map_segment); a handed-over one lives as long as the tensors over it."""
+    """Borrowed views: each segment mapped copy-on-write for this load only (see map_segment)."""
 
     def __init__(self, shm_dir: Path) -> None:
         self.shm_dir = shm_dir
         self._maps: dict[str, tuple[mmap.mmap, np.ndarray]] = {}
-
-    def forget(self, name: str) -> None:
-        """Hold ``name``'s mapping no longer: the tensors over it keep it, and unmap it with the last."""
-        self._maps.pop(name, None)
 
     def view(self, name: str, offset: int, nbytes: int) -> np.ndarray:
         if name not in self._maps:
@@ -120,7 +111,7 @@ def _joined(client: DaemonClient, request: StreamRequest) -> Iterator[tuple[str,
         uri=request.uri, session=request.session_key, rank=request.rank, world_size=request.world_size,
         select=list(request.select) if request.select is not None else None,
         priority=list(request.priority) if request.priority else None, launch_id=request.launch_id,
-        force=cfg.if_given("force_pull"), cpu_owned=device.type == "cpu" and not request.borrowed,
+        force=cfg.if_given("force_pull"),
     )  # fmt: skip
     # Blocks until every rank joined; the daemon enforces the join timeout.
     reply = client.call(protocol.JOIN_PATH, body.to_wire(), read_timeout=None)
@@ -138,7 +129,6 @@ def _joined(client: DaemonClient, request: StreamRequest) -> Iterator[tuple[str,
         nbytes=joined.bytes,
         huge_pages=joined.shm_page_size > mmap.PAGESIZE,
         from_memory=joined.from_memory,
-        handed_over=joined.handed_over and body.cpu_owned,
     ).run()
     if request.progress == "off":
         return tensors
@@ -149,7 +139,6 @@ class _Receiver:
     def __init__(
         self, client: DaemonClient, shm_dir: Path, session_id: str, rank: int, device: torch.device, borrowed: bool,
         *, pin_segments: str = "always", nbytes: int = 0, huge_pages: bool = False, from_memory: bool = False,
-        handed_over: bool = False,
     ) -> None:  # fmt: skip
         self._client = client
         self._next = protocol.rank_path(session_id, rank, "next")
@@ -163,8 +152,7 @@ class _Receiver:
         self._copier = None
         self._staging: delivery.Staging | None = None
         staged = False
-        self._handed_over = handed_over
-        if borrowed or handed_over:
+        if borrowed:
             self._segments = _PrivateSegments(shm_dir)
         else:
             # Owned copies map each segment once per process and keep it across loads (segments.py).
@@ -256,8 +244,6 @@ class _Receiver:
             return self._to_device(batch)
         if self._borrowed:
             return self._lent(batch)
-        if self._handed_over:
-            return self._taken_over(batch)
         return self._copied(batch)
 
     def _lent(self, batch: list[Handle]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -270,18 +256,6 @@ class _Receiver:
             yield h.name, tensor
             del tensor
         self._finish(batch[-1])
-
-    def _taken_over(self, batch: list[Handle]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Tensors over the batch's handed-over segment, which then holds the mapping alone; released, then yielded."""
-        tensors = [
-            delivery.over(self._segments.view(h.segment, h.offset, h.nbytes), h.dtype, h.shape)
-            if h.segment is not None
-            else _empty(h, self._device)
-            for h in batch
-        ]
-        for segment in {h.segment for h in batch if h.segment is not None}:
-            self._segments.forget(segment)
-        yield from self._hand_out(batch, tensors)
 
     def _copied(self, batch: list[Handle]) -> Iterator[tuple[str, torch.Tensor]]:
         """The whole batch copied at once on the copier's threads, released, then yielded."""

@@ -86,9 +86,6 @@ class JoinRequest(NamedTuple):
     priority: list[str] | None = None
     launch_id: str | None = None
     force: bool | None = None  # TRTLLM_OBJECT_STORAGE_FORCE_PULL of the rank; None: the daemon's
-    # The rank keeps its tensors in host memory as its own (a CPU load, not borrowed): it can take
-    # over segments the daemon never writes again (JoinReply.handed_over).
-    cpu_owned: bool = False
 
     def to_wire(self) -> dict:
         return self._asdict()
@@ -145,10 +142,6 @@ class JoinReply(NamedTuple):
     # Every byte this rank selected was in the daemon's resident copy when it joined: a hint for how
     # a CUDA rank copies them (False: a daemon that does not say, or bytes it streams).
     from_memory: bool = False
-    # The session's segments are handed over: each is written once, never again, and unlinked once
-    # every rank released it, so a rank may keep a copy-on-write mapping of it as its tensors' memory
-    # (the daemon's STREAMER_CPU_TENSORS=mapped, with every rank cpu_owned).
-    handed_over: bool = False
 
     def to_wire(self) -> dict:
         return self._asdict()
@@ -157,7 +150,7 @@ class JoinReply(NamedTuple):
     def from_wire(cls, data: dict) -> JoinReply:
         return cls(
             data["session_id"], data["tensors"], data["bytes"], data["metadata_dir"], data["shm_dir"],
-            data.get("shm_page_size", 0), data.get("from_memory", False), data.get("handed_over", False),
+            data.get("shm_page_size", 0), data.get("from_memory", False),
         )  # fmt: skip
 
 

@@ -171,11 +171,6 @@ class Settings:
         choice("auto", "always", "never"),
         "a CUDA rank: page-lock the daemon's segments (always), stage them through a small pinned ring (never), or stage what the daemon serves from memory and a process's first load of small-page segments, and pin the rest (auto)",
     )
-    cpu_tensors: str = Setting(
-        "copied",
-        choice("copied", "mapped"),
-        "a daemon's CPU ranks that own their tensors: each copies them out of the segments (copied), or keeps copy-on-write mappings of segments the daemon hands over and never writes again (mapped: the tensors' memory stays in the shm dir)",
-    )
     azure_storage_connection_string: Secret | None = Setting(
         None, optional(secret), _AZURE + "connection string", env="AZURE_STORAGE_CONNECTION_STRING"
     )

@@ -62,12 +62,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "loopback; object-storage sources only; default 0: none)",
     )
     parser.add_argument("--retention-budget", default="0", help="the bench daemon's STREAMER_RETENTION_BUDGET (default 0: off)")
-    parser.add_argument(
-        "--cpu-tensors",
-        choices=("copied", "mapped"),
-        default="copied",
-        help="the bench daemon's STREAMER_CPU_TENSORS: B's ranks copy their tensors out (default), or keep handed-over segments",
-    )
     parser.add_argument("--runai-chunk", help="RUNAI_STREAMER_CHUNK_BYTESIZE for A, B and C (default: Run:ai's)")
     parser.add_argument("--shm-budget", default="1GiB", help="the bench daemon's shared-memory budget (default 1GiB)")
     parser.add_argument("--work-dir", type=Path, help="keep the checkpoint and server data here (default: a temp dir)")
@@ -115,7 +109,6 @@ def _config(args: argparse.Namespace, work: Path):
         work_dir=work,
         latency_s=args.latency_ms / 1000,
         retention_budget=args.retention_budget,
-        cpu_tensors=args.cpu_tensors,
     )
 
 
@@ -178,7 +171,6 @@ def run(args: argparse.Namespace) -> int:
             "runai_env": config.runai_env,
             "shm_budget": config.shm_budget,
             "retention_budget": config.retention_budget,
-            "cpu_tensors": config.cpu_tensors,
             "latency_ms": config.latency_s * 1000,
             "borrowed": config.borrowed,
         },
@@ -195,7 +187,6 @@ def run(args: argparse.Namespace) -> int:
         f"{cpus} CPUs; checkpoint {bench.catalog.total_bytes / 1e9:.2f} GB ({len(bench.catalog.tensors)} tensors); "
         f"Run:ai env for A, B, C: {config.runai_env}; buffer budget (B's daemon, C) {config.shm_budget}; "
         + (f"retention budget (B's daemon) {config.retention_budget}; " if config.retention_budget not in ("", "0") else "")
-        + ("B's CPU tensors over handed-over segments; " if config.cpu_tensors == "mapped" else "")
         + (f"every storage request held {config.latency_s * 1000:g} ms (latency proxy); " if config.latency_s else "")
         + f"ranks take {'zero-copy views' if config.borrowed else 'owned tensors'}; "
         f"medians of {config.reps} after {config.warmup} warm-up; load average {load_before[0]:.2f} -> {load_after[0]:.2f}"

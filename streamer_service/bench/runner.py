@@ -49,7 +49,6 @@ class BenchConfig:
     work_dir: Path
     latency_s: float = 0.0  # every storage request held this long (sources.with_latency)
     retention_budget: str = "0"  # B's daemon
-    cpu_tensors: str = "copied"  # B's daemon: STREAMER_CPU_TENSORS
 
 
 @dataclass
@@ -136,7 +135,6 @@ class Bench:
                         **self._common_env(source),
                         "STREAMER_LOG_LEVEL": "INFO",  # its own log file
                         "STREAMER_RETENTION_BUDGET": self.config.retention_budget,
-                        "STREAMER_CPU_TENSORS": self.config.cpu_tensors,
                     },
                 )
                 self.started["daemon_pids"].append(daemon.proc.pid)

@@ -144,7 +144,6 @@ class JoinRequest(_Model):
     priority: list[str] | None = Field(default=None, max_length=MAX_LIST)
     launch_id: str | None = Field(default=None, max_length=256)
     force: bool | None = None  # TRTLLM_OBJECT_STORAGE_FORCE_PULL of the rank; None: the daemon's
-    cpu_owned: bool = Field(default=False, strict=True)
 
     @field_validator("select", "priority")
     @classmethod
@@ -290,7 +289,6 @@ def create_app(settings: Settings) -> FastAPI:
                 priority=body.priority,
                 launch_id=body.launch_id,
                 force=body.force,
-                cpu_owned=body.cpu_owned,
                 peer_pid=request.scope.get(PEER_PID),
             )
             session.on_joined(functools.partial(_wake, loop, others_joined))
@@ -306,7 +304,7 @@ def create_app(settings: Settings) -> FastAPI:
         store = daemon(request).store
         return JoinReply(
             session.id, rank.to_hand_out, rank.nbytes, str(session.checkpoint.metadata_dir), str(store.shm_dir),
-            store.pages.size, session.from_memory(body.rank), session.handed_over,
+            store.pages.size, session.from_memory(body.rank),
         ).to_wire()  # fmt: skip
 
     @app.post("/v1/sessions/{session_id}/ranks/{rank}/next")

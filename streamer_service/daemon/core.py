@@ -219,11 +219,9 @@ class Daemon:
         priority: Sequence[str] | None,
         launch_id: str | None,
         force: bool | None = None,
-        cpu_owned: bool = False,
         peer_pid: int | None = None,
     ) -> Session:
-        """Join ``rank`` to the group's session ``key``; ``cpu_owned``: the rank can take segments
-        over (``Session.handed_over``); ``peer_pid``: the rank's process, where
+        """Join ``rank`` to the group's session ``key``; ``peer_pid``: the rank's process, where
         the unix socket tells it. Returns once the rank is in the session, without waiting for the
         others: ``Session.on_joined``, then ``Session.joined``."""
         self._refuse_if_stopping(key, rank, uri)
@@ -233,7 +231,7 @@ class Daemon:
         except StreamerError as exc:
             self._refuse(key, rank, world_size, exc)
             raise
-        return self._join_session(key, rank, world_size, parsed, checkpoint, chosen, priority, cpu_owned, peer_pid)
+        return self._join_session(key, rank, world_size, parsed, checkpoint, chosen, priority, peer_pid)
 
     def _admit(self, uri, rank, world_size, select, priority, launch_id, force):
         """Everything a join can be refused for, checked before a session exists: a refused join
@@ -306,7 +304,7 @@ class Daemon:
         error = refusal.error  # a copy per rank: ranks raise it in threads of their own
         raise SessionError(error.message, uri=error.uri, key=error.key)
 
-    def _join_session(self, key, rank, world_size, parsed, checkpoint, chosen, priority, cpu_owned, peer_pid) -> Session:
+    def _join_session(self, key, rank, world_size, parsed, checkpoint, chosen, priority, peer_pid) -> Session:
         deadline = time.monotonic() + self.settings.rank_timeout_s + 4 * _REAP_INTERVAL_S
         while True:
             with self._lock:
@@ -338,7 +336,7 @@ class Daemon:
                     uri=parsed.normalized,
                 )
             time.sleep(_REAP_INTERVAL_S / 2)
-        session.add(rank, world_size, chosen, priority, ProcessWatch.of(peer_pid), cpu_owned=cpu_owned)
+        session.add(rank, world_size, chosen, priority, ProcessWatch.of(peer_pid))
         return session
 
     def _refuse_if_stopping(self, key: str, rank: int, uri: str) -> None:
@@ -365,7 +363,6 @@ class Daemon:
             join_timeout_s=self.settings.join_timeout_s,
             on_end=self._ended,
             resident=self.resident,
-            hand_over=self.settings.cpu_tensors == "mapped",
             rejoin=rejoin,
             storage_environment=storage_environment(self.settings),
             versions=ObjectVersions.of(checkpoint, self.settings),

@@ -80,7 +80,6 @@ class Session:
         join_timeout_s: float,
         on_end: Callable[[Session], None],
         resident: ResidentStore | None = None,
-        hand_over: bool = False,
         rejoin: tuple[str, int] | None = None,
         storage_environment: Mapping[str, str] | None = None,
         versions: ObjectVersions | None = None,
@@ -115,9 +114,6 @@ class Session:
         )  # fmt: skip
         self._told: set[int] = set()  # ranks that were answered the error of a cancelled load
         self._from_memory: set[int] = set()  # ranks whose every byte was resident when the load started
-        self._hand_over = hand_over  # the daemon's STREAMER_CPU_TENSORS=mapped
-        self._cpu_owned: set[int] = set()  # ranks that can take segments over
-        self.handed_over = False  # set as the load starts (:meth:`_start`)
         self._tell_until = 0.0  # a cancelled load keeps its segments until then for ranks not told yet
         self.load_complete = False  # every batch was loaded and published
         self._thread: threading.Thread | None = None
@@ -131,11 +127,9 @@ class Session:
         chosen: Sequence[TensorInfo],
         priority: Sequence[str] | None,
         process: ProcessWatch | None = None,
-        *,
-        cpu_owned: bool = False,
     ) -> RankState:
         """:meth:`add` ``rank``, then block until every rank has joined (or the join timeout passes)."""
-        self.add(rank, world_size, chosen, priority, process, cpu_owned=cpu_owned)
+        self.add(rank, world_size, chosen, priority, process)
         with self._cond:
             while self.state is SessionState.JOINING:
                 self._expire_join(self._clock())
@@ -149,19 +143,16 @@ class Session:
         chosen: Sequence[TensorInfo],
         priority: Sequence[str] | None,
         process: ProcessWatch | None = None,
-        *,
-        cpu_owned: bool = False,
     ) -> RankState:
         """Add ``rank`` with its selected tensors (``plan.select``) and start the load once every
         rank is in; never waits. ``process`` watches the rank's process, so that a rank whose
-        process is gone is reclaimed at once; ``cpu_owned``: the rank can take segments over. Wait for the others with :meth:`on_joined` (the
+        process is gone is reclaimed at once. Wait for the others with :meth:`on_joined` (the
         daemon's API, without a thread) or :meth:`join`, then :meth:`joined`."""
         with self._cond:
             self._roster.check(rank, world_size, joined=self.ranks, started=self.state is not SessionState.JOINING)
             names = frozenset(t.name for t in chosen)
             state = self._ledger.add(rank, names, sum(t.nbytes for t in chosen), len(chosen), process, self._clock())
             self._roster.choose(rank, chosen, priority)
-            (self._cpu_owned.add if cpu_owned else self._cpu_owned.discard)(rank)
             if len(self.ranks) == self._roster.expected:
                 self._start()
                 self._cond.notify_all()
@@ -220,11 +211,6 @@ class Session:
         self._from_memory = {
             r.rank for r in self.ranks.values() if self._buffers.in_memory(uri, generation, (catalog[n] for n in r.names))
         }
-        # Segments are handed over where every rank keeps what it is handed and nothing of the load
-        # is retained (the resident copy serves later loads from its segments: ranks copy them).
-        self.handed_over = self._buffers.hand_over = (
-            self._hand_over and self._cpu_owned.issuperset(self.ranks) and not self._buffers.retains
-        )
         self.state = SessionState.STREAMING
         self.times.mark("started")
         now = self._clock()
@@ -259,10 +245,9 @@ class Session:
                     self._ledger.finish()
                     self._end(SessionState.DONE)
             log.info(
-                "session %s (%s, %d ranks): %d bytes read from storage, %d served from memory, in %.2f s; %s; %d version checks; a ring of %d slots%s",
+                "session %s (%s, %d ranks): %d bytes read from storage, %d served from memory, in %.2f s; %s; %d version checks; a ring of %d slots",
                 self.key, self.checkpoint.uri, len(self.ranks), self.stats.bytes_read, self.resident_bytes,
                 self._clock() - started, self.stats.describe(began), self._versions.checks if self._versions else 0, self._buffers.ring_slots,
-                ", handed over" if self.handed_over else "",
             )  # fmt: skip
         except Cancelled:
             with self._cond:

@@ -25,14 +25,6 @@ and when (its state machine). Two kinds of segment:
   some hosts: the segments made already let the load start at once and give the makers a head
   start.
 
-A session whose segments are **handed over** (``hand_over``: every rank keeps copy-on-write
-mappings of what it is handed as its tensors' memory, ``STREAMER_CPU_TENSORS=mapped``) streams
-through ring slots that are never reused: once every rank released a slot's batch the segment is
-unlinked (the ranks' mappings keep its pages) and its budget freed, and the ring makes a new slot
-in its place, as the embedded engine's ring retires a slot whose memory its tensors keep. No
-segment a rank may have mapped goes back to the pool; the pool makes its standing ring again
-when the session ends.
-
 Locking: ``lock`` is the session's condition; every method that changes the segment list takes
 it. :meth:`acquire` takes or makes a new segment outside it (``Ring.take``).
 """
@@ -118,7 +110,6 @@ class SessionBuffers:
         self._adopting: deque[tuple[Batch, Segment | None]] = deque()
         self._adopted = False  # the pool gave segments: it makes its standing ring again at the end
         self._watching = False  # the pool wakes this session when it made a segment (:meth:`_grow`)
-        self.hand_over = False  # set before the load starts (see the module docstring)
 
     # ------------------------------------------------------------------ the resident copy
 
@@ -143,11 +134,6 @@ class SessionBuffers:
         session serves from memory is decided when its load starts, :meth:`resident_batches`).
         ``tensors`` is read only where a copy of ``uri`` at ``generation`` is kept."""
         return self._resident is not None and self._resident.holds(uri, generation, (t.name for t in tensors if t.nbytes))
-
-    @property
-    def retains(self) -> bool:
-        """Whether the daemon keeps loads resident (a retention budget): a load that fits it is kept."""
-        return self._resident is not None
 
     def served(self, nbytes: int) -> None:
         if self._resident is not None:
@@ -283,14 +269,6 @@ class SessionBuffers:
         """Every rank released ``slot``'s batch (called under the lock)."""
         if slot.kept:
             return  # the resident copy owns it now
-        if self.hand_over:  # the ranks' mappings keep its pages: never written again
-            self._slots.remove(slot)
-            if slot.oversized:
-                self._ring.give(slot, oversized=True)
-            else:
-                self._ring.retire(slot)
-            self._pool.give(slot.segment, slot.reservation, keep=False, now=self._clock())
-            return
         if slot.oversized:
             self._slots.remove(slot)
             # Ranks dropped their mappings of it when they released it; kept idle for a reload.
@@ -313,14 +291,13 @@ class SessionBuffers:
                 future.result().close()
         # Adopted for batches the load never reached: back to the pool, which then makes the rest.
         self._pool.restore([segment for _, segment in adopting if segment is not None])
+        if self._adopted:
+            self._pool.restand()
         for slot in slots:
             if not slot.kept:
-                # A handed-over segment a rank may map is never reused (a load that failed).
-                self._pool.give(slot.segment, slot.reservation, keep=not self.hand_over, now=self._clock())
+                self._pool.give(slot.segment, slot.reservation, keep=True, now=self._clock())
             elif not slot.resident:
                 slot.segment.close()  # claimed but never filled: the load failed first
-        if self._adopted or self.hand_over:
-            self._pool.restand()
         if self._copy is not None:
             self._resident.settle(self._claimed - sum(s.segment.nbytes for s in slots if s.resident))
             self._resident.unpin(self._copy)
