@@ -44,9 +44,16 @@ class FakeReader:
         self._next_id = 0
 
     def __enter__(self) -> FakeReader:
+        self.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        pass
+
+    def close(self) -> None:
         self._pending.clear()
 
     def submit(self, files, keepalive) -> int:

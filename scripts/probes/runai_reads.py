@@ -6,6 +6,7 @@ as a daemon's segments are. Needs `weed` on PATH (benchmarks/device/ingest.sh sa
 
     python3 scripts/probes/runai_reads.py WORK [SIZE_MB] [LOADS]
     GLIBC_TUNABLES=glibc.malloc.hugetlb=1 python3 scripts/probes/runai_reads.py WORK   # malloc's chunks on THP
+    REUSE=1 python3 scripts/probes/runai_reads.py WORK     # one reader (Run:ai streamer) for every load
 """
 
 from __future__ import annotations
@@ -28,6 +29,12 @@ PIECE = 64 * 2**20
 
 def minor_faults() -> int:
     return int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[7])
+
+
+def rss() -> int:
+    return next(
+        int(line.split()[1]) * 1024 for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmRSS:")
+    )
 
 
 def main() -> None:
@@ -57,10 +64,15 @@ def main() -> None:
         print(
             f"{total / 1e9:.2f} GB in {sum(len(r.ranges) for r in reads)} ranges; GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}"
         )
+        reuse = os.environ.get("REUSE") == "1"
+        kept = None
         for load in range(loads):
             faults, started = minor_faults(), time.perf_counter()
-            reader = NativeReader()
-            reader.start()
+            reader = kept or NativeReader()
+            if kept is None:
+                reader.start()
+            if reuse:
+                kept = reader
             reader.submit(reads, buffer)
             first = None
             for answer in iter(reader.answer, None):
@@ -68,10 +80,11 @@ def main() -> None:
                     raise answer.error
                 first = first or time.perf_counter()
             done = time.perf_counter()
-            reader.close()
+            if not reuse or load == loads - 1:
+                reader.close()
             print(f"load {load}: first answer after {first - started:.3f} s, all after {done - started:.3f} s "
                   f"({total / (done - started) / 1e9:.2f} GB/s), closed in {time.perf_counter() - done:.3f} s, "
-                  f"{minor_faults() - faults} minor faults", flush=True)  # fmt: skip
+                  f"{minor_faults() - faults} minor faults, RSS {rss() / 1e9:.2f} GB", flush=True)  # fmt: skip
     finally:
         source.close()
 

@@ -22,6 +22,7 @@ from ..checkpoint.plan import select as select_tensors
 from ..checkpoint.versions import ObjectVersions
 from ..metadata.cache import MetadataCache
 from ..readers.choice import reader_for
+from ..readers.kept import KeptReaders
 from ..readers.runai import check_credentials, storage_environment
 from ..settings import Settings
 from ..sizing import first_ring_slots, in_flight_bytes, slot_bytes
@@ -110,6 +111,8 @@ class Daemon:
         self.reaper_stopped: str | None = None  # why the reaper thread ended, if it ever does
         self.store: SegmentStore | None = None
         self.pool: SegmentPool | None = None
+        # Run:ai's reader of the last load, kept started for the next (its buffers stay allocated).
+        self.readers = KeptReaders(settings.segment_idle_s)
         self.allow = AllowList(settings.allow)
         self.metrics = Metrics(self.stats, build=build_info(settings.build_revision))
 
@@ -168,6 +171,7 @@ class Daemon:
         self._stop.set()
         if self._reaper is not None:
             self._reaper.join(timeout=5)
+        self.readers.close()
         if self.pool is not None:
             self.pool.close()
         self.resident.close()
@@ -195,6 +199,7 @@ class Daemon:
             for session in sessions:
                 session.reap(now, self.settings.rank_timeout_s)
             self.pool.trim(now)
+            self.readers.trim(now)
 
     # ------------------------------------------------------------------ requests
 
@@ -367,6 +372,7 @@ class Daemon:
             storage_environment=storage_environment(self.settings),
             versions=ObjectVersions.of(checkpoint, self.settings),
             reader_factory=reader_for(checkpoint.uri, self.settings.local_reader),
+            readers=self.readers,
         )
 
     def session(self, session_id: str) -> Session | EndedSession:

@@ -43,6 +43,7 @@ from ..checkpoint.versions import ObjectVersions
 from ..load.pipeline import LoadStats
 from ..readers.base import ReaderFactory
 from ..readers.choice import reader_for
+from ..readers.kept import KeptReaders
 from .ledger import RankLedger, RankState, RankStatus
 from .metrics import LoadTimes
 from .process import ProcessWatch
@@ -84,6 +85,7 @@ class Session:
         storage_environment: Mapping[str, str] | None = None,
         versions: ObjectVersions | None = None,
         reader_factory: ReaderFactory | None = None,
+        readers: KeptReaders | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.id = uuid.uuid4().hex
@@ -110,7 +112,7 @@ class Session:
             key, checkpoint, slot_size=slot_size, buffers=self._buffers, ledger=self._ledger, lock=self._cond,
             cancelled=lambda: self._cancelled, times=self.times, stats=self.stats, versions=versions,
             reader_factory=reader_factory or reader_for(checkpoint.uri), storage_environment=storage_environment,
-            in_flight=in_flight,
+            in_flight=in_flight, readers=readers if readers is not None else KeptReaders(0),
         )  # fmt: skip
         self._told: set[int] = set()  # ranks that were answered the error of a cancelled load
         self._from_memory: set[int] = set()  # ranks whose every byte was resident when the load started
@@ -245,9 +247,10 @@ class Session:
                     self._ledger.finish()
                     self._end(SessionState.DONE)
             log.info(
-                "session %s (%s, %d ranks): %d bytes read from storage, %d served from memory, in %.2f s; %s; %d version checks; a ring of %d slots",
+                "session %s (%s, %d ranks): %d bytes read from storage, %d served from memory, in %.2f s; %s; %d version checks; a ring of %d slots%s",
                 self.key, self.checkpoint.uri, len(self.ranks), self.stats.bytes_read, self.resident_bytes,
                 self._clock() - started, self.stats.describe(began), self._versions.checks if self._versions else 0, self._buffers.ring_slots,
+                "; read through a reader kept from an earlier load" if self._feed.reader_kept else "",
             )  # fmt: skip
         except Cancelled:
             with self._cond:

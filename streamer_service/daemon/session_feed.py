@@ -21,7 +21,7 @@ from ..checkpoint.plan import Batch, BatchKind, build_plan
 from ..checkpoint.versions import ObjectVersions
 from ..load.pipeline import Load, LoadStats, Pipeline
 from ..readers.base import ReaderFactory
-from ..readers.choice import open_reader
+from ..readers.kept import KeptReaders
 from .ledger import RankLedger
 from .metrics import LoadTimes
 from .session_buffers import SegmentSlot, SessionBuffers, handle
@@ -56,6 +56,7 @@ class SessionFeed:
         reader_factory: ReaderFactory,
         storage_environment: Mapping[str, str] | None,
         in_flight: int | None,
+        readers: KeptReaders,
     ) -> None:
         self._key = key
         self._checkpoint = checkpoint
@@ -71,6 +72,8 @@ class SessionFeed:
         self._storage_environment = storage_environment  # Run:ai's retry/timeout variables
         self._in_flight = in_flight  # bytes submitted to storage and not yet landed, at most
         self.resident_bytes = 0  # handed out from memory kept by earlier loads
+        self._readers = readers  # started readers the daemon keeps between loads
+        self.reader_kept = False  # this load read through a reader an earlier load left started
 
     def run(self, wanted: list[TensorInfo]) -> None:
         """Publish every tensor of ``wanted``: those in memory first, then the rest as it lands."""
@@ -80,7 +83,7 @@ class SessionFeed:
         if not plan.batches:
             return
         uri = self._checkpoint.uri
-        with open_reader(uri, self._reader_factory, self._storage_environment) as reader:
+        with self._readers.reader(uri, self._reader_factory, self._storage_environment) as (reader, self.reader_kept):
             pipeline = Pipeline(uri, plan, reader, self._acquire, self._stats, self._versions, in_flight=self._in_flight)
             for load in pipeline.loaded(self._wait_for_release):
                 self._publish(load)

@@ -168,6 +168,12 @@ class NativeReader:
     # ------------------------------------------------------------------ requests
 
     @property
+    def reusable(self) -> bool:
+        """Whether this started reader can serve another load: every range it was sent answered,
+        and none fatally (``readers.kept``)."""
+        return self._streamer is not None and not self._aborted and not self._live and not self._retained
+
+    @property
     def outstanding(self) -> int:
         """Answers still owed, across every submission in flight."""
         return sum(s.remaining for s in self._live.values())

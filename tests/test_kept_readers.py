@@ -1,0 +1,139 @@
+"""Run:ai readers kept started between loads (``streamer_service.readers.kept``): real Run:ai readers
+reading real files, and a real daemon reading S3 twice through one reader."""
+
+from __future__ import annotations
+
+import mmap
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from daemon_harness import finish
+
+from streamer_service.readers.base import FileReads, ReadRange
+from streamer_service.readers.kept import KeptReaders
+from streamer_service.readers.runai import NativeReader
+from streamer_service.uri import parse_uri
+
+PIECE = 1 << 20
+
+
+@pytest.fixture
+def blob(tmp_path: Path) -> tuple[Path, bytes]:
+    data = np.random.default_rng(7).integers(0, 256, 3 * PIECE + 1234, dtype=np.uint8).tobytes()
+    path = tmp_path / "ckpt" / "model.safetensors"  # the reader reads any bytes; the name is for its URI
+    path.parent.mkdir()
+    path.write_bytes(data)
+    return path, data
+
+
+def _load(reader, path: Path, size: int, *, drain: bool = True) -> bytes:
+    """Read the whole file through ``reader`` into a new buffer, in 1 MiB ranges; its bytes."""
+    buffer = mmap.mmap(-1, size)
+    base = np.frombuffer(buffer, dtype=np.uint8).ctypes.data
+    ranges = tuple(ReadRange(o, min(PIECE, size - o), base + o) for o in range(0, size, PIECE))
+    reader.submit([FileReads(str(path), ranges)], buffer)
+    if not drain:
+        return b""
+    for answer in iter(reader.answer, None):
+        assert answer.error is None, answer.error
+    return bytes(buffer)
+
+
+def test_a_reader_that_served_a_load_serves_the_next(blob):
+    path, data = blob
+    uri = parse_uri(str(path.parent))
+    readers = KeptReaders(60)
+    with readers.reader(uri, NativeReader) as (first, kept):
+        assert not kept
+        assert _load(first, path, len(data)) == data
+    assert readers.idle == 1 and first.reusable  # still started: runai_end was not called
+    with readers.reader(uri, NativeReader) as (second, kept):
+        assert second is first and kept
+        assert _load(second, path, len(data)) == data
+    assert readers.reused == 1
+    # Another storage environment is another kind of reader: a new one, the kept one stays idle.
+    with readers.reader(uri, NativeReader, {"RUNAI_STREAMER_CHUNK_BYTESIZE": str(PIECE)}) as (other, kept):
+        assert other is not first and not kept
+        assert _load(other, path, len(data)) == data
+    assert readers.idle == 2
+    readers.close()
+    assert readers.idle == 0 and not first.reusable and not other.reusable  # both ended
+    with readers.reader(uri, NativeReader) as (after, kept):
+        assert not kept and _load(after, path, len(data)) == data
+    assert readers.idle == 0 and not after.reusable  # a closed set keeps nothing
+
+
+def test_a_reader_is_not_kept_after_a_failed_or_unfinished_load_nor_with_idle_s_0(blob):
+    path, data = blob
+    uri = parse_uri(str(path.parent))
+    readers = KeptReaders(60)
+    with pytest.raises(RuntimeError, match="the load failed"), readers.reader(uri, NativeReader) as (failed, _):
+        _load(failed, path, len(data))
+        raise RuntimeError("the load failed")
+    assert readers.idle == 0 and not failed.reusable
+    # Reads still owed when the load ended (a load cut short): runai_end waits for them.
+    with readers.reader(uri, NativeReader) as (cut, _):
+        _load(cut, path, len(data), drain=False)
+        assert not cut.reusable
+    assert readers.idle == 0
+    never = KeptReaders(0)
+    with never.reader(uri, NativeReader) as (reader, _):
+        assert _load(reader, path, len(data)) == data
+    assert never.idle == 0 and not reader.reusable
+
+
+def test_idle_readers_are_closed_after_idle_s_and_none_is_used_past_its_age(blob):
+    path, data = blob
+    uri = parse_uri(str(path.parent))
+    now = [100.0]
+    readers = KeptReaders(30, max_age_s=600, clock=lambda: now[0])
+    with readers.reader(uri, NativeReader) as (reader, _):
+        _load(reader, path, len(data))
+    now[0] = 129.0
+    readers.trim(now[0])
+    assert readers.idle == 1
+    now[0] = 130.0
+    readers.trim(now[0])
+    assert readers.idle == 0 and not reader.reusable
+    # Used again and again, a reader still goes once it is max_age_s old.
+    with readers.reader(uri, NativeReader) as (old, _):  # started at 130
+        _load(old, path, len(data))
+    for t in (150.0, 170.0):
+        now[0] = t
+        with readers.reader(uri, NativeReader) as (same, kept):
+            assert same is old and kept
+    now[0] = 729.0
+    with readers.reader(uri, NativeReader) as (same, kept):
+        assert same is old and kept  # lent while still young enough...
+        now[0] = 731.0
+    assert readers.idle == 0 and not old.reusable  # ...and ended after a load that ended past its age
+    with readers.reader(uri, NativeReader) as (new, kept):
+        assert new is not old and not kept
+        _load(new, path, len(data))
+    now[0] = 1331.0
+    with readers.reader(uri, NativeReader) as (newer, kept):  # an idle one as old as that is not lent
+        assert newer is not new and not kept
+    assert not new.reusable
+
+
+@pytest.mark.parametrize("backend", ["s3"], indirect=True)
+def test_a_daemon_reads_its_next_load_through_the_reader_of_its_last(backend, sample, daemon):
+    backend.put_tree("ckpt", {p.name: p.read_bytes() for p in sample.iterdir()})
+    uri = backend.uri("ckpt")
+    tensor_bytes = sum(p.stat().st_size for p in sample.glob("*.safetensors"))
+    d = daemon({**backend.env, "STREAMER_SEGMENT_IDLE_S": "60"})
+    served = []
+    for _ in range(2):
+        backend.proxy.reset()
+        result = finish(d.start_rank(uri, 0, 1, sample, None))
+        assert result["bad"] == [] and result["got"]
+        served.append(sum(int(m[1]) - int(m[0]) + 1 for r in backend.proxy.requests if r.method == "GET" and r.range
+                          for m in [re.fullmatch(r"bytes=(\d+)-(\d+)", r.range).groups()]))  # fmt: skip
+    lines = [line for line in d.log.read_text().splitlines() if " bytes read from storage" in line]
+    assert len(lines) == 2
+    assert "read through a reader kept from an earlier load" not in lines[0]
+    assert "read through a reader kept from an earlier load" in lines[1]
+    # Each load read every tensor byte once (and the headers), the second as the first.
+    assert all(tensor_bytes * 0.9 < s <= tensor_bytes * 1.001 for s in served), (served, tensor_bytes)
