@@ -2,16 +2,16 @@
 
 Run:ai's object-storage client receives a load's bytes into part buffers it allocates as a reader
 (one Run:ai streamer) first needs them and frees when the reader ends. A reader started for each
-load faults every page of those buffers in again: about one minor fault per 4 KiB received, in
-the threads that receive the bytes, and 0.08 s more a load for ``runai_end``. A reader kept started
-between loads receives the next load's bytes into the buffers it has (docs/benchmarks.md, ingest,
-"Fourteenth look"): a daemon keeps the one its last load used, for at most ``idle_s`` seconds idle
-(``STREAMER_SEGMENT_IDLE_S``, the time it keeps an idle segment) and not past :data:`MAX_AGE_S`
-from its start, and holds its buffers' memory meanwhile.
+load faults every page of those buffers in again, in the threads that receive the bytes, and
+waits for ``runai_end``. A reader kept started between loads receives the next load's bytes into
+the buffers it has (docs/benchmarks.md, ingest, "Fourteenth look"). A daemon keeps the one its
+last load used, for at most ``idle_s`` seconds idle (``STREAMER_SEGMENT_IDLE_S``, the time it keeps
+an idle segment) and not past :data:`MAX_AGE_S` from its start, and holds its buffers' memory
+meanwhile.
 
 A reader is kept only when it says it can serve another load (``reusable``: Run:ai's reader once
 every range it was sent has answered and none failed fatally) and the load that used it ended
-without an error; one of a load that failed or was cut short is closed as before. At most one
+without an error; the reader of a load that failed or was cut short is closed with it. At most one
 idle reader per kind (its class, filesystem strategy and storage environment).
 """
 
