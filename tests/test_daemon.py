@@ -451,3 +451,23 @@ def test_force_pull_means_the_same_through_the_daemon(backend, sample, daemon, m
     assert len(state) == len(_catalog(sample))
     assert json.loads((pulled / ".runai_complete").read_text())["pulled_at"] == marker["pulled_at"]
     assert d.finished()[-1]["state"] == "done"
+
+
+@pytest.mark.parametrize("backend", ["s3"], indirect=True)
+def test_a_daemon_reads_its_next_load_through_the_reader_of_its_last(backend, sample, daemon):
+    """The daemon keeps the Run:ai reader of a load for its next one (``readers.kept``)."""
+    uri = _upload(backend, sample)
+    tensor_bytes = sum(p.stat().st_size for p in sample.glob("*.safetensors"))
+    d = daemon({**backend.env, "STREAMER_SEGMENT_IDLE_S": "60"})
+    served = []
+    for _ in range(2):
+        backend.proxy.reset()
+        result = finish(d.start_rank(uri, 0, 1, sample, None))
+        assert result["bad"] == [] and result["got"]
+        served.append(_range_bytes(backend))
+    lines = [line for line in d.log.read_text().splitlines() if " bytes read from storage" in line]
+    assert len(lines) == 2
+    assert "read through a reader kept from an earlier load" not in lines[0]
+    assert "read through a reader kept from an earlier load" in lines[1]
+    # Each load read every tensor byte once (and the headers), the second as the first.
+    assert all(tensor_bytes * 0.9 < s <= tensor_bytes * 1.001 for s in served), (served, tensor_bytes)

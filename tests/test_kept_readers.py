@@ -1,15 +1,13 @@
 """Run:ai readers kept started between loads (``streamer_service.readers.kept``): real Run:ai readers
-reading real files, and a real daemon reading S3 twice through one reader."""
+reading real files (a daemon reading S3 twice through one reader: tests/test_daemon.py)."""
 
 from __future__ import annotations
 
 import mmap
-import re
 from pathlib import Path
 
 import numpy as np
 import pytest
-from daemon_harness import finish
 
 from streamer_service.readers.base import FileReads, ReadRange
 from streamer_service.readers.kept import KeptReaders
@@ -133,24 +131,3 @@ def test_idle_readers_are_closed_after_idle_s_and_none_is_used_past_its_age(blob
     with readers.reader(uri, NativeReader) as (newer, was_kept):  # an idle one as old as that is not lent
         assert newer is not new and not was_kept
     assert not new.reusable and readers.idle == 1  # newer, closed with the set after the test
-
-
-@pytest.mark.parametrize("backend", ["s3"], indirect=True)
-def test_a_daemon_reads_its_next_load_through_the_reader_of_its_last(backend, sample, daemon):
-    backend.put_tree("ckpt", {p.name: p.read_bytes() for p in sample.iterdir()})
-    uri = backend.uri("ckpt")
-    tensor_bytes = sum(p.stat().st_size for p in sample.glob("*.safetensors"))
-    d = daemon({**backend.env, "STREAMER_SEGMENT_IDLE_S": "60"})
-    served = []
-    for _ in range(2):
-        backend.proxy.reset()
-        result = finish(d.start_rank(uri, 0, 1, sample, None))
-        assert result["bad"] == [] and result["got"]
-        served.append(sum(int(m[1]) - int(m[0]) + 1 for r in backend.proxy.requests if r.method == "GET" and r.range
-                          for m in [re.fullmatch(r"bytes=(\d+)-(\d+)", r.range).groups()]))  # fmt: skip
-    lines = [line for line in d.log.read_text().splitlines() if " bytes read from storage" in line]
-    assert len(lines) == 2
-    assert "read through a reader kept from an earlier load" not in lines[0]
-    assert "read through a reader kept from an earlier load" in lines[1]
-    # Each load read every tensor byte once (and the headers), the second as the first.
-    assert all(tensor_bytes * 0.9 < s <= tensor_bytes * 1.001 for s in served), (served, tensor_bytes)
