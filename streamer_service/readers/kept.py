@@ -86,7 +86,7 @@ class KeptReaders:
                     break
             else:
                 return None
-            if now - idle.started < self.max_age_s:
+            if not self._too_old(idle.started, now):
                 self.reused += 1
                 return idle.reader, idle.started
         _close(idle.reader)  # too old to serve another load
@@ -94,7 +94,7 @@ class KeptReaders:
 
     def _keep(self, key: tuple, reader: Reader, started: float) -> bool:
         now = self._clock()
-        if self.idle_s <= 0 or now - started >= self.max_age_s or not getattr(reader, "reusable", False):
+        if self.idle_s <= 0 or self._too_old(started, now) or not getattr(reader, "reusable", False):
             return False
         with self._lock:
             if self._closed or any(idle.key == key for idle in self._idle):
@@ -102,10 +102,14 @@ class KeptReaders:
             self._idle.append(_Idle(key, reader, started, now))
             return True
 
+    def _too_old(self, started: float, now: float) -> bool:
+        """Whether a reader started at ``started`` may no longer serve a load (:data:`MAX_AGE_S`)."""
+        return now - started >= self.max_age_s
+
     def trim(self, now: float) -> None:
         """Close the readers idle for ``idle_s`` or started ``max_age_s`` ago."""
         with self._lock:
-            stale = [i for i in self._idle if now - i.since >= self.idle_s or now - i.started >= self.max_age_s]
+            stale = [i for i in self._idle if now - i.since >= self.idle_s or self._too_old(i.started, now)]
             self._idle = [i for i in self._idle if i not in stale]
         for idle in stale:
             _close(idle.reader)
