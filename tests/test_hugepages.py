@@ -132,6 +132,7 @@ def test_daemon_on_small_pages_warns_once_with_what_to_do(sample, tmp_path):
     warnings = [line for line in d.log.read_text().splitlines() if "KiB pages (" in line]
     assert len(warnings) == 1, warnings
     assert f"shared-memory dir {d.shm_dir} gives 4 KiB pages" in warnings[0]
+    assert "a CUDA rank's first load copies every byte once more on the host" in warnings[0]
     assert "huge=always" in warnings[0] and "HugePages-2Mi" in warnings[0] and "docs/deploy.md" in warnings[0]
 
 
