@@ -7,11 +7,12 @@ mounted ``huge=always`` / ``within_size`` (or any tmpfs when the kernel's
 is a whole number of them (hugetlbfs requires it; on tmpfs a partial last page
 would be a small one). Page-locking and first-touch costs fall with the page
 count: ``cudaHostRegister`` of 4 GB took 0.20 s on 4 KiB pages and 0.07 s on a
-``huge=always`` tmpfs on an H200 host (docs/benchmarks.md), so a CUDA rank page-locks
-huge-page segments for a cold load and stages 4 KiB ones (``streamer_client.daemon``). hugetlbfs has a fixed
-pool: ``posix_fallocate`` reserves a segment's pages up front, so an exhausted
-pool is a clear error when the segment is made, never a SIGBUS on first touch;
-and nothing here ``write()`` s to a segment (hugetlbfs has no write()).
+``huge=always`` tmpfs on an H200 host (docs/benchmarks.md), so a CUDA rank
+page-locks huge-page segments for a cold load and stages 4 KiB ones
+(``streamer_client.daemon``). hugetlbfs has a fixed pool: ``posix_fallocate``
+reserves a segment's pages up front, so an exhausted pool is a clear error when
+the segment is made, never a SIGBUS on first touch; and nothing here
+``write()`` s to a segment (hugetlbfs has no write()).
 """
 
 from __future__ import annotations
@@ -117,8 +118,8 @@ def small_pages_advice(shm_dir: Path, pages: Pages) -> str:
         f"shared-memory dir {shm_dir} gives {pages.size // 1024} KiB pages ({pages.source}): page-locking "
         "them costs more than it saves, so a CUDA rank's first load copies every byte once more on the host "
         "(through its staging ring) than on 2 MiB pages, where it page-locks the segments beside the reads, "
-        "and a cold load takes longer. For huge "
-        "pages, point --shm-dir at a tmpfs mounted with huge=always (mount -t tmpfs -o huge=always,size=N "
+        "and a cold load takes longer. For huge pages, point --shm-dir at a tmpfs mounted with huge=always "
+        "(mount -t tmpfs -o huge=always,size=N "
         "none DIR) or at hugetlbfs (Kubernetes: emptyDir medium HugePages-2Mi with hugepages-2Mi "
         "requests); see docs/deploy.md, 'Huge-page segments'"
     )
