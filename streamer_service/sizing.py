@@ -7,7 +7,9 @@ NIC rate (``STREAMER_TARGET_GBPS``, docs/configuration.md "Read parallelism"):
 - **slots**: the configured slot size, shrunk so that at least :data:`FEW_SLOTS` fit the budget;
 - **ring depth**: as many slots as the budget holds (never more than the load has batches): a
   slot is made only when no free one is left, so a deep ring costs nothing while the ranks keep
-  up, and lets storage run ahead while they do not;
+  up, and lets storage run ahead while they do not; but for :data:`PINNING_RANKS` or more ranks
+  that page-lock what they copy from, the slots a load starts with (:func:`first_ring_slots`),
+  which each rank then registers once;
 - **bytes in flight**: what keeps the NIC busy while each request waits for its first byte,
   bandwidth × :data:`REQUEST_LATENCY_S`, never less than :data:`MIN_IN_FLIGHT_SLOTS` slots. The
   pipeline submits no more than that: the head of the checkpoint lands first, and the ranks work
@@ -29,7 +31,7 @@ from typing import NamedTuple
 from streamer_client.settings import MIN_SHM_BUDGET
 
 __all__ = [
-    "FEW_SLOTS", "MIN_IN_FLIGHT_SLOTS", "REQUEST_LATENCY_S", "ReadParallelism", "first_ring_slots", "in_flight_bytes",
+    "FEW_SLOTS", "MIN_IN_FLIGHT_SLOTS", "PINNING_RANKS", "REQUEST_LATENCY_S", "ReadParallelism", "first_ring_slots", "in_flight_bytes",
     "ring_slots", "slot_bytes", "submission_size",
 ]  # fmt: skip
 
@@ -37,6 +39,12 @@ MiB = 1024**2
 
 FEW_SLOTS = 4
 """The budget holds at least this many slots: larger configured slots shrink to a quarter of it."""
+
+PINNING_RANKS = 2
+"""How many of a load's ranks that may page-lock (CUDA ranks) keep its ring to the slots it starts
+with: staged, each would copy every byte once more on the host, and those copies share the host's
+memory; page-locking, each registers those few slots once, in its own process. One rank alone
+stages about as fast as it registers them (docs/benchmarks.md, cold start, "Seventeenth look")."""
 
 MIN_IN_FLIGHT_SLOTS = 2
 """One batch landing while the next is already asked for."""

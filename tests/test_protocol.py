@@ -75,6 +75,7 @@ def test_request_bodies_are_accepted_by_the_daemon_as_the_client_builds_them():
     bodies = [
         protocol.MetadataRequest("s3://b/m", None, "launch"),
         protocol.JoinRequest(uri="s3://b/m", session="k", rank=1, world_size=2, select=["a."], priority=None, launch_id="l"),
+        protocol.JoinRequest(uri="s3://b/m", session="k", rank=0, world_size=1, pins=True),
         protocol.NextRequest([0, 1], 0.5),
         protocol.LeaveRequest("RuntimeError: boom"),
         protocol.LeaveRequest(),
@@ -85,11 +86,13 @@ def test_request_bodies_are_accepted_by_the_daemon_as_the_client_builds_them():
     assert protocol.MetadataReply.from_wire(_wire(protocol.MetadataReply("/cache/x"))) == protocol.MetadataReply("/cache/x")
 
 
-def test_a_join_reply_carries_the_segments_page_size_and_whether_they_are_in_memory_and_an_older_daemon_s_reads_as_unknown():
-    reply = protocol.JoinReply("s1", 3, 4096, "/cache/m", "/dev/shm/streamer", 2 << 20, True)
+def test_a_join_reply_carries_the_segments_page_size_whether_they_are_in_memory_and_the_ring_and_an_older_daemon_s_reads_as_unknown():
+    reply = protocol.JoinReply("s1", 3, 4096, "/cache/m", "/dev/shm/streamer", 2 << 20, True, 8)
     assert protocol.JoinReply.from_wire(_wire(reply)) == reply
-    older = {k: v for k, v in reply.to_wire().items() if k not in ("shm_page_size", "from_memory")}
-    assert (protocol.JoinReply.from_wire(older).shm_page_size, protocol.JoinReply.from_wire(older).from_memory) == (0, False)
+    older = protocol.JoinReply.from_wire(
+        {k: v for k, v in reply.to_wire().items() if k not in ("shm_page_size", "from_memory", "ring_slots")}
+    )
+    assert (older.shm_page_size, older.from_memory, older.ring_slots) == (0, False, 0)
 
 
 def test_a_cuda_rank_stages_segments_in_memory_and_a_first_load_of_small_page_ones_with_auto(monkeypatch):
@@ -99,8 +102,12 @@ def test_a_cuda_rank_stages_segments_in_memory_and_a_first_load_of_small_page_on
     assert daemon._staged("auto", reloading=False, huge_pages=False)
     assert not daemon._staged("auto", reloading=True, huge_pages=False)
     assert not daemon._staged("auto", reloading=False, huge_pages=True)  # registering huge pages is cheap
+    assert not daemon._staged("auto", reloading=False, huge_pages=False, recycled=True)  # a ring's slots: registered once
     # Segments whole in memory are staged, first load or reload, small pages or huge.
-    assert all(daemon._staged("auto", reloading, huge, from_memory=True) for reloading in (False, True) for huge in (False, True))
+    assert all(
+        daemon._staged("auto", reloading, huge, from_memory=True, recycled=recycled)
+        for reloading in (False, True) for huge in (False, True) for recycled in (False, True)
+    )  # fmt: skip
     assert [daemon._staged(p, False, huge) for p in ("never", "always") for huge in (False, True)] == [True, True, False, False]
     monkeypatch.setattr(daemon.copier, "available", lambda: False)  # no copier: no staging ring either
     assert not daemon._staged("auto", reloading=False, huge_pages=False)

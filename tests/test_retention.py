@@ -24,6 +24,7 @@ from streamer_service.daemon.resident import ResidentStore
 from streamer_service.daemon.shm import SegmentStore
 from streamer_service.sample import build_sample, rank_selection
 from streamer_service.settings import Settings
+from streamer_service.sizing import first_ring_slots
 from streamer_service.storage import open_storage
 from streamer_service.uri import parse_uri
 
@@ -373,25 +374,52 @@ def test_the_store_tells_whether_a_generation_holds_every_tensor_asked_for(tmp_p
     assert store.leftovers() == []
 
 
-def _joined_from_memory(d: DaemonProcess, uri: str, select=None) -> bool:
-    """What a rank's join is told about its bytes being in memory (the rank then leaves at once)."""
-    join = protocol.JoinRequest(uri=uri, session=uuid.uuid4().hex, rank=0, world_size=1, select=select, launch_id="hint")
-    with d.client() as c:
-        reply = protocol.JoinReply.from_wire(c.post(protocol.JOIN_PATH, json=join.to_wire()).json())
-        c.post(protocol.rank_path(reply.session_id, 0, "leave"), json=protocol.LeaveRequest().to_wire()).raise_for_status()
-    return reply.from_memory
+def _joined(d: DaemonProcess, uri: str, select=None, *, pins: bool = False, world: int = 1) -> protocol.JoinReply:
+    """What rank 0's join is told, its ``world`` ranks joining at once (they then leave at once)."""
+    key = uuid.uuid4().hex
+    replies: list = [None] * world
+
+    def join(rank: int) -> None:
+        body = protocol.JoinRequest(uri=uri, session=key, rank=rank, world_size=world, select=select, launch_id="hint", pins=pins)
+        with d.client() as c:
+            reply = replies[rank] = protocol.JoinReply.from_wire(c.post(protocol.JOIN_PATH, json=body.to_wire()).json())
+            c.post(protocol.rank_path(reply.session_id, rank, "leave"), json=protocol.LeaveRequest().to_wire()).raise_for_status()
+
+    threads = [threading.Thread(target=join, args=(rank,)) for rank in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert len({r.ring_slots for r in replies}) == 1  # every rank is told the same
+    return replies[0]
 
 
 def test_a_join_is_told_whether_its_bytes_are_in_memory(sample, daemon):
     names = _names(sample)
     d = daemon({}, "--shm-budget", "8MiB", "--retention-budget", "64MiB")
     _load(d, str(sample), sample, [names[: len(names) // 2]], launch="hint")
-    assert _joined_from_memory(d, str(sample), select=names[: len(names) // 4])  # kept by that load
+    assert _joined(d, str(sample), select=names[: len(names) // 4]).from_memory  # kept by that load
     # Half of it is not: told as the load starts, whatever it then streams before the rank leaves.
-    assert not _joined_from_memory(d, str(sample))
+    assert not _joined(d, str(sample)).from_memory
     _load(d, str(sample), sample, [names], launch="hint")
-    assert _joined_from_memory(d, str(sample))
+    assert _joined(d, str(sample)).from_memory
     assert d.healthy()
+
+
+def test_joins_that_may_page_lock_are_told_their_ring_of_recycled_slots_unless_the_load_may_be_kept(sample, daemon):
+    """Two ranks that may page-lock what they copy from get a ring kept to the slots a load starts
+    with (2 MiB slots of an 8 MiB budget at 100 Gbit/s: all 4), and their joins say so; one such
+    rank alone, ranks that do not, and a daemon that retains loads (kept segments are new memory)
+    are told 0."""
+    streaming = daemon({}, "--shm-budget", "8MiB")
+    assert _joined(streaming, str(sample), pins=True, world=2).ring_slots == first_ring_slots(8 << 20, 2 << 20, 8 << 20) == 4
+    assert _joined(streaming, str(sample), pins=True).ring_slots == 0
+    assert _joined(streaming, str(sample), world=2).ring_slots == 0
+    assert streaming.healthy()
+    streaming.stop()  # the next one serves on the same socket
+    retaining = daemon({}, "--shm-budget", "8MiB", "--retention-budget", "64MiB")
+    assert _joined(retaining, str(sample), pins=True, world=2).ring_slots == 0
+    assert retaining.healthy()
 
 
 def test_a_claim_evicts_only_what_makes_room_and_extra_bytes_evict_nothing(tmp_path):

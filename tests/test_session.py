@@ -29,6 +29,7 @@ from streamer_service.daemon.shm import SegmentStore, ShmBudget
 from streamer_service.readers.base import RangeResult
 from streamer_service.sample import build_sample, rank_selection
 from streamer_service.settings import Settings
+from streamer_service.sizing import first_ring_slots
 
 SLOT = 512 * 1024
 
@@ -110,13 +111,13 @@ def node(tmp_path, checkpoint_dir):
     store.close()
 
 
-def _join_all(session: Session, selections, priority=None) -> None:
+def _join_all(session: Session, selections, priority=None, *, pins: bool = False) -> None:
     catalog = session.checkpoint.catalog.tensors
     errors: list[BaseException] = []
 
     def join(rank: int) -> None:
         try:
-            session.join(rank, len(selections), select(catalog, selections[rank], priority), priority)
+            session.join(rank, len(selections), select(catalog, selections[rank], priority), priority, pins=pins)
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
 
@@ -291,6 +292,47 @@ def test_a_newer_request_of_a_rank_answers_in_place_of_one_still_waiting(node):
     got += [name for name, _ in _consume(session, 0, node.shm)]  # what became ready meanwhile comes now
     assert got == [t.name for t in select(node.checkpoint.catalog.tensors, None)]
     assert session.wait_ended(60) and session.state is SessionState.DONE
+
+
+@pytest.mark.parametrize(("world", "pins", "bound"), [(2, True, 3), (2, False, 0), (1, True, 0)])
+def test_ranks_that_page_lock_get_a_ring_kept_to_the_slots_a_load_starts_with(node, world, pins, bound):
+    """Several ranks that may page-lock the segments they copy from (CUDA ranks) register each
+    once, so their session's ring is kept to the slots a load starts with (``first_ring_slots``: 3
+    of this budget's 4), and their joins say how many; other ranks', and one such rank's alone,
+    grows to what the budget holds. Rank 0 holding every batch shows the ring's size; every byte
+    exact for every rank."""
+    session = node.session(world)
+    prefix = ["model.layers."]  # slot batches only: no oversized tensor
+    _join_all(session, [prefix] * world, pins=pins)
+    assert first_ring_slots(4 * SLOT, SLOT, SLOT) == 3  # no bound in flight: one slot
+    assert [session.ring_slots(rank) for rank in range(world)] == [bound] * world
+    got, held, segments = [], set(), set()
+    while True:  # take, release nothing: the ring fills and the load waits for rank 0
+        handles = session.next(0, [], 2.0 if held else 10.0)[0]
+        if not handles and held:
+            break
+        got += [
+            (h.name, (node.shm / h.segment).read_bytes()[h.offset : h.offset + h.nbytes] if h.segment else b"") for h in handles
+        ]
+        held |= {h.batch for h in handles if h.segment is not None}
+        segments |= {h.segment for h in handles if h.segment is not None}
+    assert len(segments) == len(held) == (bound or 4)
+    session.next(0, sorted(held), 0.0)
+    others: list = [None] * world
+    threads = [
+        threading.Thread(target=lambda r=r: others.__setitem__(r, _consume(session, r, node.shm))) for r in range(1, world)
+    ]
+    for t in threads:
+        t.start()
+    got += _consume(session, 0, node.shm)
+    for t in threads:
+        t.join(120)
+    wanted = [t.name for t in select(node.checkpoint.catalog.tensors, prefix)]
+    for rank_got in [got, *others[1:]]:
+        assert [n for n, _ in rank_got] == wanted
+        assert all(data == _truth(node.checkpoint, n, node.dir) for n, data in rank_got)
+    assert session.wait_ended(60) and session.state is SessionState.DONE
+    assert list(node.shm.iterdir()) == []
 
 
 def test_a_refused_rank_fails_the_joining_ranks_at_once(node):

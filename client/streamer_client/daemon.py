@@ -11,15 +11,16 @@ How a batch's bytes become tensors (``delivery``, shared with the embedded engin
   released to the daemon before its tensors are yielded;
 - CPU, ``borrowed=True``: views of a private mapping, released when the next batch is asked for;
 - CUDA, staged (``STREAMER_PIN_SEGMENTS=never``, and with ``auto`` a load the daemon serves whole
-  from memory, or a process's first load of segments of small pages): the
+  from memory, or a process's first load of small-page segments that do not recycle): the
   copier's threads copy the segment, a window at a time, into the process's small page-locked
   staging ring, each window's host-to-device copy overlapping the next window; the batch is
   released as soon as its bytes are staged. The windows of successive replies form one stream: the
   last window of a reply is still being filled while the next reply is asked for. Nothing the
   size of the checkpoint is page-locked;
 - CUDA, pinned (``always``, and with ``auto`` segments the daemon streams to a reloading process,
-  or huge-page ones): each segment is page-locked once per process (on a worker thread, ahead of
-  its copies) and copied from directly; the batch is released once its copies completed.
+  huge-page ones, or a ring the daemon keeps to the slots it recycles, ``JoinReply.ring_slots``):
+  each segment is page-locked once per process (on a worker thread, ahead of its copies) and
+  copied from directly; the batch is released once its copies completed.
 """
 
 from __future__ import annotations
@@ -79,17 +80,20 @@ def _empty(h: Handle, device: torch.device) -> torch.Tensor:
     return delivery.empty(h.dtype, h.shape, device)
 
 
-def _staged(pin_segments: str, reloading: bool, huge_pages: bool = False, from_memory: bool = False) -> bool:
+def _staged(
+    pin_segments: str, reloading: bool, huge_pages: bool = False, from_memory: bool = False, recycled: bool = False
+) -> bool:
     """Whether a CUDA load copies through the staging ring instead of page-locking segments
     (``STREAMER_PIN_SEGMENTS``; ``auto``: where the copier is built, a load of segments the daemon
-    serves whole from memory, and a process's first load of segments of small pages). Page-locking
-    costs per page, and pays only where something hides it or many loads share it: while the
-    daemon streams a load, registering huge-page segments passes beside its reads, so a first load
-    pins them, and a process that reloads has its segments registered already; segments already
-    whole in memory are staged faster than they are registered, and staged about as fast as
-    page-locked ones are copied (docs/benchmarks.md)."""
+    serves whole from memory, and a process's first load of small-page segments that are not a
+    ring's recycled slots). Page-locking costs per page, and pays only where something hides it or
+    many batches share it: while the daemon streams a load, registering huge-page segments passes
+    beside its reads, so a first load pins them; a ring of recycled slots (``recycled``) is
+    registered once for all the batches that pass through it; a process that reloads has its
+    segments registered already; segments already whole in memory are staged faster than they are
+    registered, and staged about as fast as page-locked ones are copied (docs/benchmarks.md)."""
     if pin_segments == "auto":
-        return copier.available() and (from_memory or (not reloading and not huge_pages))
+        return copier.available() and (from_memory or (not reloading and not huge_pages and not recycled))
     return pin_segments == "never"
 
 
@@ -111,7 +115,7 @@ def _joined(client: DaemonClient, request: StreamRequest) -> Iterator[tuple[str,
         uri=request.uri, session=request.session_key, rank=request.rank, world_size=request.world_size,
         select=list(request.select) if request.select is not None else None,
         priority=list(request.priority) if request.priority else None, launch_id=request.launch_id,
-        force=cfg.if_given("force_pull"),
+        force=cfg.if_given("force_pull"), pins=device.type == "cuda" and not request.borrowed and cfg.pin_segments != "never",
     )  # fmt: skip
     # Blocks until every rank joined; the daemon enforces the join timeout.
     reply = client.call(protocol.JOIN_PATH, body.to_wire(), read_timeout=None)
@@ -129,6 +133,7 @@ def _joined(client: DaemonClient, request: StreamRequest) -> Iterator[tuple[str,
         nbytes=joined.bytes,
         huge_pages=joined.shm_page_size > mmap.PAGESIZE,
         from_memory=joined.from_memory,
+        recycled=joined.ring_slots > 0,
     ).run()
     if request.progress == "off":
         return tensors
@@ -139,6 +144,7 @@ class _Receiver:
     def __init__(
         self, client: DaemonClient, shm_dir: Path, session_id: str, rank: int, device: torch.device, borrowed: bool,
         *, pin_segments: str = "always", nbytes: int = 0, huge_pages: bool = False, from_memory: bool = False,
+        recycled: bool = False,
     ) -> None:  # fmt: skip
         self._client = client
         self._next = protocol.rank_path(session_id, rank, "next")
@@ -157,7 +163,7 @@ class _Receiver:
         else:
             # Owned copies map each segment once per process and keep it across loads (segments.py).
             maps = segment_maps(shm_dir)
-            staged = device.type == "cuda" and _staged(pin_segments, maps.loads > 0, huge_pages, from_memory)
+            staged = device.type == "cuda" and _staged(pin_segments, maps.loads > 0, huge_pages, from_memory, recycled)
             # Populated for copies by numpy on this thread; the copier's threads fault the pages
             # in themselves, in parallel, and a registration does too (map_segment).
             self._segments = maps.load(populate=device.type != "cuda" and not copier.available())

@@ -86,6 +86,9 @@ class JoinRequest(NamedTuple):
     priority: list[str] | None = None
     launch_id: str | None = None
     force: bool | None = None  # TRTLLM_OBJECT_STORAGE_FORCE_PULL of the rank; None: the daemon's
+    # The rank may page-lock the segments it copies from (a CUDA rank): its session's ring is kept
+    # to the slots it recycles, so that each is registered once (JoinReply.ring_slots).
+    pins: bool = False
 
     def to_wire(self) -> dict:
         return self._asdict()
@@ -142,6 +145,10 @@ class JoinReply(NamedTuple):
     # Every byte this rank selected was in the daemon's resident copy when it joined: a hint for how
     # a CUDA rank copies them (False: a daemon that does not say, or bytes it streams).
     from_memory: bool = False
+    # The slots of the ring this rank's streamed batches come through, each reused batch after
+    # batch (0: no such bound: a retained load's segments are new memory for each batch, or a
+    # daemon that does not say).
+    ring_slots: int = 0
 
     def to_wire(self) -> dict:
         return self._asdict()
@@ -150,7 +157,7 @@ class JoinReply(NamedTuple):
     def from_wire(cls, data: dict) -> JoinReply:
         return cls(
             data["session_id"], data["tensors"], data["bytes"], data["metadata_dir"], data["shm_dir"],
-            data.get("shm_page_size", 0), data.get("from_memory", False),
+            data.get("shm_page_size", 0), data.get("from_memory", False), data.get("ring_slots", 0),
         )  # fmt: skip
 
 

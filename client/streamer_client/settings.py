@@ -169,7 +169,7 @@ class Settings:
     pin_segments: str = Setting(
         "auto",
         choice("auto", "always", "never"),
-        "a CUDA rank: page-lock the daemon's segments (always), stage them through a small pinned ring (never), or stage what the daemon serves from memory and a process's first load of small-page segments, and pin the rest (auto)",
+        "a CUDA rank: page-lock the daemon's segments (always), stage them through a small pinned ring (never), or stage what the daemon serves from memory and a process's first load of small-page segments that are not a ring of recycled slots, and pin the rest (auto)",
     )
     azure_storage_connection_string: Secret | None = Setting(
         None, optional(secret), _AZURE + "connection string", env="AZURE_STORAGE_CONNECTION_STRING"

@@ -144,6 +144,7 @@ class JoinRequest(_Model):
     priority: list[str] | None = Field(default=None, max_length=MAX_LIST)
     launch_id: str | None = Field(default=None, max_length=256)
     force: bool | None = None  # TRTLLM_OBJECT_STORAGE_FORCE_PULL of the rank; None: the daemon's
+    pins: bool = Field(default=False, strict=True)  # the rank may page-lock segments: a ring it recycles
 
     @field_validator("select", "priority")
     @classmethod
@@ -289,6 +290,7 @@ def create_app(settings: Settings) -> FastAPI:
                 priority=body.priority,
                 launch_id=body.launch_id,
                 force=body.force,
+                pins=body.pins,
                 peer_pid=request.scope.get(PEER_PID),
             )
             session.on_joined(functools.partial(_wake, loop, others_joined))
@@ -304,7 +306,7 @@ def create_app(settings: Settings) -> FastAPI:
         store = daemon(request).store
         return JoinReply(
             session.id, rank.to_hand_out, rank.nbytes, str(session.checkpoint.metadata_dir), str(store.shm_dir),
-            store.pages.size, session.from_memory(body.rank),
+            store.pages.size, session.from_memory(body.rank), session.ring_slots(body.rank),
         ).to_wire()  # fmt: skip
 
     @app.post("/v1/sessions/{session_id}/ranks/{rank}/next")

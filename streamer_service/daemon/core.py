@@ -224,11 +224,13 @@ class Daemon:
         priority: Sequence[str] | None,
         launch_id: str | None,
         force: bool | None = None,
+        pins: bool = False,
         peer_pid: int | None = None,
     ) -> Session:
-        """Join ``rank`` to the group's session ``key``; ``peer_pid``: the rank's process, where
-        the unix socket tells it. Returns once the rank is in the session, without waiting for the
-        others: ``Session.on_joined``, then ``Session.joined``."""
+        """Join ``rank`` to the group's session ``key``; ``pins``: the rank may page-lock the
+        segments it copies from; ``peer_pid``: the rank's process, where the unix socket tells it.
+        Returns once the rank is in the session, without waiting for the others:
+        ``Session.on_joined``, then ``Session.joined``."""
         self._refuse_if_stopping(key, rank, uri)
         self._told_of_refusal(key, rank)
         try:
@@ -236,7 +238,9 @@ class Daemon:
         except StreamerError as exc:
             self._refuse(key, rank, world_size, exc)
             raise
-        return self._join_session(key, rank, world_size, parsed, checkpoint, chosen, priority, peer_pid)
+        session = self._join_session(key, rank, world_size, parsed, checkpoint)
+        session.add(rank, world_size, chosen, priority, ProcessWatch.of(peer_pid), pins=pins)
+        return session
 
     def _admit(self, uri, rank, world_size, select, priority, launch_id, force):
         """Everything a join can be refused for, checked before a session exists: a refused join
@@ -309,7 +313,7 @@ class Daemon:
         error = refusal.error  # a copy per rank: ranks raise it in threads of their own
         raise SessionError(error.message, uri=error.uri, key=error.key)
 
-    def _join_session(self, key, rank, world_size, parsed, checkpoint, chosen, priority, peer_pid) -> Session:
+    def _join_session(self, key, rank, world_size, parsed, checkpoint) -> Session:
         deadline = time.monotonic() + self.settings.rank_timeout_s + 4 * _REAP_INTERVAL_S
         while True:
             with self._lock:
@@ -341,7 +345,6 @@ class Daemon:
                     uri=parsed.normalized,
                 )
             time.sleep(_REAP_INTERVAL_S / 2)
-        session.add(rank, world_size, chosen, priority, ProcessWatch.of(peer_pid))
         return session
 
     def _refuse_if_stopping(self, key: str, rank: int, uri: str) -> None:

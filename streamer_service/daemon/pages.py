@@ -116,9 +116,10 @@ def small_pages_advice(shm_dir: Path, pages: Pages) -> str:
     """The one warning a daemon gives when its segments fall back to small pages."""
     return (
         f"shared-memory dir {shm_dir} gives {pages.size // 1024} KiB pages ({pages.source}): page-locking "
-        "them costs more than it saves, so a CUDA rank's first load copies every byte once more on the host "
-        "(through its staging ring) than on 2 MiB pages, where it page-locks the segments beside the reads, "
-        "and a cold load takes longer. For huge pages, point --shm-dir at a tmpfs mounted with huge=always "
+        "them costs a rank loading alone more than it saves, so a CUDA rank's first load copies every byte once "
+        "more on the host (through its staging ring) than on 2 MiB pages, where it page-locks the segments beside "
+        "the reads, and a cold load takes longer (several CUDA ranks of one load page-lock a ring of a few "
+        "slots instead). For huge pages, point --shm-dir at a tmpfs mounted with huge=always "
         "(mount -t tmpfs -o huge=always,size=N "
         "none DIR) or at hugetlbfs (Kubernetes: emptyDir medium HugePages-2Mi with hugepages-2Mi "
         "requests); see docs/deploy.md, 'Huge-page segments'"

@@ -44,6 +44,7 @@ from ..load.pipeline import LoadStats
 from ..readers.base import ReaderFactory
 from ..readers.choice import reader_for
 from ..readers.kept import KeptReaders
+from ..sizing import PINNING_RANKS
 from .ledger import RankLedger, RankState, RankStatus
 from .metrics import LoadTimes
 from .process import ProcessWatch
@@ -100,6 +101,7 @@ class Session:
         self.times = LoadTimes()  # for the load-duration and first-tensor histograms
         self.rejoin = rejoin  # (group key, rank): a session for one rank coming back to its group's load after dying
         self._slot_size = slot_size
+        self._in_flight = in_flight
         only = rejoin[1] if rejoin is not None else None
         self._roster = Roster(key, checkpoint.uri, world_size, only=only, join_timeout_s=join_timeout_s, now=clock())
         self._on_end = on_end
@@ -116,6 +118,8 @@ class Session:
         )  # fmt: skip
         self._told: set[int] = set()  # ranks that were answered the error of a cancelled load
         self._from_memory: set[int] = set()  # ranks whose every byte was resident when the load started
+        self._pinning: set[int] = set()  # ranks that may page-lock the segments they copy from
+        self._ring_bound = 0  # the slots the ring is kept to for them (0: not bounded)
         self._tell_until = 0.0  # a cancelled load keeps its segments until then for ranks not told yet
         self.load_complete = False  # every batch was loaded and published
         self._thread: threading.Thread | None = None
@@ -129,9 +133,11 @@ class Session:
         chosen: Sequence[TensorInfo],
         priority: Sequence[str] | None,
         process: ProcessWatch | None = None,
+        *,
+        pins: bool = False,
     ) -> RankState:
         """:meth:`add` ``rank``, then block until every rank has joined (or the join timeout passes)."""
-        self.add(rank, world_size, chosen, priority, process)
+        self.add(rank, world_size, chosen, priority, process, pins=pins)
         with self._cond:
             while self.state is SessionState.JOINING:
                 self._expire_join(self._clock())
@@ -145,16 +151,21 @@ class Session:
         chosen: Sequence[TensorInfo],
         priority: Sequence[str] | None,
         process: ProcessWatch | None = None,
+        *,
+        pins: bool = False,
     ) -> RankState:
         """Add ``rank`` with its selected tensors (``plan.select``) and start the load once every
         rank is in; never waits. ``process`` watches the rank's process, so that a rank whose
-        process is gone is reclaimed at once. Wait for the others with :meth:`on_joined` (the
+        process is gone is reclaimed at once; ``pins``: the rank may page-lock the segments it
+        copies from (:meth:`ring_slots`). Wait for the others with :meth:`on_joined` (the
         daemon's API, without a thread) or :meth:`join`, then :meth:`joined`."""
         with self._cond:
             self._roster.check(rank, world_size, joined=self.ranks, started=self.state is not SessionState.JOINING)
             names = frozenset(t.name for t in chosen)
             state = self._ledger.add(rank, names, sum(t.nbytes for t in chosen), len(chosen), process, self._clock())
             self._roster.choose(rank, chosen, priority)
+            if pins:
+                self._pinning.add(rank)
             if len(self.ranks) == self._roster.expected:
                 self._start()
                 self._cond.notify_all()
@@ -166,6 +177,13 @@ class Session:
         once, as the load starts and before any rank hears that it joined: read without the lock,
         from the daemon's event loop."""
         return rank in self._from_memory
+
+    def ring_slots(self, rank: int) -> int:
+        """The slots of the ring ``rank``'s streamed batches come through, each reused batch after
+        batch, where the ring is kept to them because :data:`PINNING_RANKS` or more of the ranks
+        streamed to may page-lock (its join reply says it; 0: not bounded). Set with
+        :meth:`from_memory`'s hint, and read the same way."""
+        return self._ring_bound if rank in self._pinning and rank not in self._from_memory else 0
 
     def on_joined(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` (from any thread, so it must not block) once the session no longer
@@ -191,6 +209,7 @@ class Session:
                 return
             self._ledger.drop(rank)
             self._roster.drop(rank)
+            self._pinning.discard(rank)
             log.info("session %s: rank %d went away before every rank joined", self.key, rank)
             if not self.ranks:
                 self._fail(self._roster.error("every rank that joined went away"))
@@ -213,6 +232,8 @@ class Session:
         self._from_memory = {
             r.rank for r in self.ranks.values() if self._buffers.in_memory(uri, generation, (catalog[n] for n in r.names))
         }
+        if len(self._pinning - self._from_memory) >= PINNING_RANKS:
+            self._ring_bound = self._buffers.bound_ring(self._in_flight)
         self.state = SessionState.STREAMING
         self.times.mark("started")
         now = self._clock()
@@ -247,9 +268,10 @@ class Session:
                     self._ledger.finish()
                     self._end(SessionState.DONE)
             log.info(
-                "session %s (%s, %d ranks): %d bytes read from storage, %d served from memory, in %.2f s; %s; %d version checks; a ring of %d slots%s",
+                "session %s (%s, %d ranks): %d bytes read from storage, %d served from memory, in %.2f s; %s; %d version checks; a ring of %d slots%s%s",
                 self.key, self.checkpoint.uri, len(self.ranks), self.stats.bytes_read, self.resident_bytes,
                 self._clock() - started, self.stats.describe(began), self._versions.checks if self._versions else 0, self._buffers.ring_slots,
+                f" (at most {self._ring_bound}: its ranks page-lock)" if self._ring_bound else "",
                 "; read through a reader kept from an earlier load" if self._feed.reader_kept else "",
             )  # fmt: skip
         except Cancelled:
