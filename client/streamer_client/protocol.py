@@ -86,8 +86,8 @@ class JoinRequest(NamedTuple):
     priority: list[str] | None = None
     launch_id: str | None = None
     force: bool | None = None  # TRTLLM_OBJECT_STORAGE_FORCE_PULL of the rank; None: the daemon's
-    # The rank may page-lock the segments it copies from (a CUDA rank): its session's ring is kept
-    # to the slots it recycles, so that each is registered once (JoinReply.ring_slots).
+    # The rank may page-lock the segments it copies from (a CUDA rank): where several of a load's
+    # ranks may, its ring is kept to a few recycled slots, each registered once (JoinReply.ring_slots).
     pins: bool = False
 
     def to_wire(self) -> dict:
@@ -146,8 +146,8 @@ class JoinReply(NamedTuple):
     # a CUDA rank copies them (False: a daemon that does not say, or bytes it streams).
     from_memory: bool = False
     # The slots of the ring this rank's streamed batches come through, each reused batch after
-    # batch (0: no such bound: a retained load's segments are new memory for each batch, or a
-    # daemon that does not say).
+    # batch, where the daemon keeps the ring to them (0: it does not: a rank loading alone, a
+    # retained load, whose segments are new memory for each batch, or a daemon that does not say).
     ring_slots: int = 0
 
     def to_wire(self) -> dict:

@@ -144,7 +144,7 @@ class JoinRequest(_Model):
     priority: list[str] | None = Field(default=None, max_length=MAX_LIST)
     launch_id: str | None = Field(default=None, max_length=256)
     force: bool | None = None  # TRTLLM_OBJECT_STORAGE_FORCE_PULL of the rank; None: the daemon's
-    pins: bool = Field(default=False, strict=True)  # the rank may page-lock segments: a ring it recycles
+    pins: bool = Field(default=False, strict=True)  # the rank may page-lock segments (JoinReply.ring_slots)
 
     @field_validator("select", "priority")
     @classmethod
