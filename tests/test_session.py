@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from streamer_client.errors import SessionError, StreamerError
+from streamer_client.protocol import Handle
 from streamer_service.checkpoint import versions as versions_module
 from streamer_service.checkpoint.open import open_checkpoint
 from streamer_service.checkpoint.plan import select
@@ -138,12 +139,7 @@ def _consume(session: Session, rank: int, shm: Path, stop_after: int | None = No
         handles, done = session.next(rank, release, 5.0)
         release = []
         for h in handles:
-            data = b""
-            if h.segment is not None:
-                with open(shm / h.segment, "rb") as f:
-                    f.seek(h.offset)
-                    data = f.read(h.nbytes)
-            got.append((h.name, data))
+            got.append((h.name, _bytes(h, shm)))
             if h.segment is not None and h.batch not in release:
                 release.append(h.batch)
         if stop_after is not None and len(got) >= stop_after:
@@ -152,6 +148,28 @@ def _consume(session: Session, rank: int, shm: Path, stop_after: int | None = No
             session.next(rank, release, 0)
             session.leave(rank)
             return got
+
+
+def _bytes(h: Handle, shm: Path) -> bytes:
+    """``h``'s bytes, read out of its segment file."""
+    if h.segment is None:
+        return b""
+    with open(shm / h.segment, "rb") as f:
+        f.seek(h.offset)
+        return f.read(h.nbytes)
+
+
+def _hold(session: Session, rank: int, wait_s: float) -> list[Handle]:
+    """Take, release nothing: the ring fills and the load waits for the rank; every handle taken
+    until a request waits ``wait_s`` for nothing."""
+    taken: list[Handle] = []
+    holding = False  # a batch with bytes is held
+    while True:
+        handles = session.next(rank, [], wait_s if holding else 10.0)[0]
+        if not handles and holding:
+            return taken
+        taken += handles
+        holding = holding or any(h.segment is not None for h in handles)
 
 
 def _truth(checkpoint, name: str, src: Path) -> bytes:
@@ -271,13 +289,9 @@ def test_a_newer_request_of_a_rank_answers_in_place_of_one_still_waiting(node):
     ready stays for the request that will read it."""
     session = node.session(1)
     _join_all(session, [None])
-    got, held = [], set()
-    while True:  # take, release nothing: the ring fills and the load waits for the rank
-        handles = session.next(0, [], 1.0 if held else 10.0)[0]
-        if not handles and held:
-            break
-        got += [h.name for h in handles]
-        held |= {h.batch for h in handles if h.segment is not None}
+    taken = _hold(session, 0, 1.0)
+    got = [h.name for h in taken]
+    held = {h.batch for h in taken if h.segment is not None}
     answers: list = []
     old = threading.Thread(target=lambda: answers.append(session.next(0, [], 60.0)))
     old.start()
@@ -306,16 +320,10 @@ def test_ranks_that_page_lock_get_a_ring_kept_to_the_slots_a_load_starts_with(no
     _join_all(session, [prefix] * world, pins=pins)
     assert first_ring_slots(4 * SLOT, SLOT, SLOT) == 3  # no bound in flight: one slot
     assert [session.ring_slots(rank) for rank in range(world)] == [bound] * world
-    got, held, segments = [], set(), set()
-    while True:  # take, release nothing: the ring fills and the load waits for rank 0
-        handles = session.next(0, [], 2.0 if held else 10.0)[0]
-        if not handles and held:
-            break
-        got += [
-            (h.name, (node.shm / h.segment).read_bytes()[h.offset : h.offset + h.nbytes] if h.segment else b"") for h in handles
-        ]
-        held |= {h.batch for h in handles if h.segment is not None}
-        segments |= {h.segment for h in handles if h.segment is not None}
+    taken = _hold(session, 0, 2.0)  # by rank 0
+    got = [(h.name, _bytes(h, node.shm)) for h in taken]
+    held = {h.batch for h in taken if h.segment is not None}
+    segments = {h.segment for h in taken if h.segment is not None}
     assert len(segments) == len(held) == (bound or 4)
     session.next(0, sorted(held), 0.0)
     others: list = [None] * world

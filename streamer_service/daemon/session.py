@@ -119,7 +119,6 @@ class Session:
         self._told: set[int] = set()  # ranks that were answered the error of a cancelled load
         self._from_memory: set[int] = set()  # ranks whose every byte was resident when the load started
         self._pinning: set[int] = set()  # ranks that may page-lock the segments they copy from
-        self._ring_bound = 0  # the slots the ring is kept to for them (0: not bounded)
         self._tell_until = 0.0  # a cancelled load keeps its segments until then for ranks not told yet
         self.load_complete = False  # every batch was loaded and published
         self._thread: threading.Thread | None = None
@@ -183,7 +182,7 @@ class Session:
         batch, where the ring is kept to them because :data:`PINNING_RANKS` or more of the ranks
         streamed to may page-lock (its join reply says it; 0: not bounded). Set with
         :meth:`from_memory`'s hint, and read the same way."""
-        return self._ring_bound if rank in self._pinning and rank not in self._from_memory else 0
+        return self._buffers.ring_bound if rank in self._pinning and rank not in self._from_memory else 0
 
     def on_joined(self, callback: Callable[[], None]) -> None:
         """Call ``callback`` (from any thread, so it must not block) once the session no longer
@@ -233,7 +232,7 @@ class Session:
             r.rank for r in self.ranks.values() if self._buffers.in_memory(uri, generation, (catalog[n] for n in r.names))
         }
         if len(self._pinning - self._from_memory) >= PINNING_RANKS:
-            self._ring_bound = self._buffers.bound_ring(self._in_flight)
+            self._buffers.bound_ring(self._in_flight)
         self.state = SessionState.STREAMING
         self.times.mark("started")
         now = self._clock()
@@ -271,7 +270,7 @@ class Session:
                 "session %s (%s, %d ranks): %d bytes read from storage, %d served from memory, in %.2f s; %s; %d version checks; a ring of %d slots%s%s",
                 self.key, self.checkpoint.uri, len(self.ranks), self.stats.bytes_read, self.resident_bytes,
                 self._clock() - started, self.stats.describe(began), self._versions.checks if self._versions else 0, self._buffers.ring_slots,
-                f" (at most {self._ring_bound}: its ranks page-lock)" if self._ring_bound else "",
+                f" (at most {self._buffers.ring_bound}: its ranks page-lock)" if self._buffers.ring_bound else "",
                 "; read through a reader kept from an earlier load" if self._feed.reader_kept else "",
             )  # fmt: skip
         except Cancelled:

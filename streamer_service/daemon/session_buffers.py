@@ -110,7 +110,7 @@ class SessionBuffers:
         self._adopting: deque[tuple[Batch, Segment | None]] = deque()
         self._adopted = False  # the pool gave segments: it makes its standing ring again at the end
         self._watching = False  # the pool wakes this session when it made a segment (:meth:`_grow`)
-        self._bound = 0  # the ring's slots at most, for ranks that page-lock (:meth:`bound_ring`; 0: the budget's)
+        self.ring_bound = 0  # the ring's slots at most, for ranks that page-lock (:meth:`bound_ring`; 0: the budget's)
 
     # ------------------------------------------------------------------ the resident copy
 
@@ -147,16 +147,15 @@ class SessionBuffers:
 
     # ------------------------------------------------------------------ sizing and taking
 
-    def bound_ring(self, in_flight: int | None) -> int:
+    def bound_ring(self, in_flight: int | None) -> None:
         """Keep the ring to the slots a load takes before its ranks release any (the pool's
         standing ring, :func:`~streamer_service.sizing.first_ring_slots`), for ranks that page-lock
         the segments they copy from: each slot is registered once and reused, where a ring grown
         ahead of them towards the checkpoint's size is registered byte for byte. Not for a load
-        that may be retained (its kept segments are new memory for every batch). The bound (0: none)."""
-        if self._resident is not None:
-            return 0
-        self._bound = first_ring_slots(self._pool.budget.limit, self._slot_size, in_flight or self._slot_size)
-        return self._bound
+        that may be retained (its kept segments are new memory for every batch): :attr:`ring_bound`
+        stays 0."""
+        if self._resident is None:
+            self.ring_bound = first_ring_slots(self._pool.budget.limit, self._slot_size, in_flight or self._slot_size)
 
     def prepare(self, plan: Plan, session: str) -> None:
         """Size the buffers for ``plan``: with room in the retention budget its bytes will stay
@@ -166,7 +165,7 @@ class SessionBuffers:
             self._retain(loaded, session)
         slot_batches = sum(b.kind is BatchKind.SLOT and b.buffer_bytes > 0 for b in plan.batches)
         # Ring segments are all of the daemon's slot size, so that later sessions can reuse them.
-        bound = self._bound * self._slot_size if self._bound else None
+        bound = self.ring_bound * self._slot_size if self.ring_bound else None
         self._ring.capacity = ring_slots(self._pool.budget.limit, self._slot_size, slot_batches, cap_bytes=bound)
 
     def _retain(self, batches: list[Batch], session: str) -> None:
