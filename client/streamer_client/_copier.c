@@ -381,6 +381,56 @@ static int as_words(PyObject *object, const uint64_t **words, Py_ssize_t *count,
 
 static uint64_t left_of(uint64_t left, size_t chunk_bytes) { return left < chunk_bytes ? left : chunk_bytes; }
 
+enum { QUEUED, QUEUE_CLOSED, QUEUE_FULL, QUEUE_NO_MEMORY };
+
+/* Take a ticket and queue a batch's ``chunks`` chunks; QUEUED and the ticket in ``*ticket``, or
+ * why not. Without the GIL: it waits for the lock. */
+static int queue_batch(pool_t *pool, const uint64_t *dsts, const uint64_t *srcs, const uint64_t *sizes, Py_ssize_t n,
+                       size_t chunks, int64_t *ticket_out) {
+    pthread_mutex_lock(&pool->lock);
+    if (pool->stopping) { /* closed by another thread since the caller looked */
+        pthread_mutex_unlock(&pool->lock);
+        return QUEUE_CLOSED;
+    }
+    /* The next ticket whose slot is free: a batch nobody waited for holds its slot, not the pool. */
+    int64_t ticket = pool->next_ticket;
+    for (int tried = 1; pool->batches[ticket % MAX_TICKETS].ticket != -1 && tried < MAX_TICKETS; tried++) {
+        ticket++;
+    }
+    uint32_t slot = (uint32_t)(ticket % MAX_TICKETS);
+    if (pool->batches[slot].ticket != -1) {
+        pthread_mutex_unlock(&pool->lock);
+        return QUEUE_FULL;
+    }
+    if (grow_queue(pool, chunks) < 0) {
+        pthread_mutex_unlock(&pool->lock);
+        return QUEUE_NO_MEMORY;
+    }
+    pool->next_ticket = ticket + 1;
+    batch_t *batch = &pool->batches[slot];
+    batch->ticket = ticket;
+    batch->remaining = chunks;
+    batch->failed = -1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        for (uint64_t done = 0; done < sizes[i]; done += left_of(sizes[i] - done, pool->chunk_bytes)) {
+            uint64_t left = sizes[i] - done;
+            chunk_t *chunk = &pool->queue[(pool->head + pool->count) % pool->capacity];
+            chunk->dst = (char *)(uintptr_t)(dsts[i] + done);
+            chunk->src = (const char *)(uintptr_t)(srcs[i] + done);
+            chunk->nbytes = left < pool->chunk_bytes ? left : pool->chunk_bytes;
+            chunk->ticket_slot = slot;
+            chunk->copy_index = (uint32_t)i;
+            pool->count++;
+        }
+    }
+    if (chunks) {
+        pthread_cond_broadcast(&pool->work);
+    }
+    pthread_mutex_unlock(&pool->lock);
+    *ticket_out = ticket;
+    return QUEUED;
+}
+
 /* Queue one batch; its ticket, or -1 with a Python error set. */
 static int64_t submit_batch(pool_t *pool, PyObject *dsts_obj, PyObject *srcs_obj, PyObject *sizes_obj) {
     const uint64_t *dsts, *srcs, *sizes;
@@ -407,45 +457,26 @@ static int64_t submit_batch(pool_t *pool, PyObject *dsts_obj, PyObject *srcs_obj
         }
         chunks += more;
     }
-    pthread_mutex_lock(&pool->lock);
-    /* The next ticket whose slot is free: a batch nobody waited for holds its slot, not the pool. */
-    int64_t ticket = pool->next_ticket;
-    for (int tried = 1; pool->batches[ticket % MAX_TICKETS].ticket != -1 && tried < MAX_TICKETS; tried++) {
-        ticket++;
-    }
-    uint32_t slot = (uint32_t)(ticket % MAX_TICKETS);
-    if (pool->batches[slot].ticket != -1) {
-        pthread_mutex_unlock(&pool->lock);
+    int64_t ticket;
+    int outcome;
+    /* The workers take the lock for every chunk: waiting for it here must not hold up the
+     * interpreter's other threads. The arrays are the caller's bytes, alive for the call. */
+    Py_BEGIN_ALLOW_THREADS
+    outcome = queue_batch(pool, dsts, srcs, sizes, n, chunks, &ticket);
+    Py_END_ALLOW_THREADS
+    switch (outcome) {
+    case QUEUED:
+        return ticket;
+    case QUEUE_CLOSED:
+        PyErr_SetString(PyExc_ValueError, "the copier pool is closed");
+        return -1;
+    case QUEUE_FULL:
         PyErr_Format(PyExc_RuntimeError, "copier: more than %d batches queued and not waited for", MAX_TICKETS);
         return -1;
-    }
-    if (grow_queue(pool, chunks) < 0) {
-        pthread_mutex_unlock(&pool->lock);
+    default:
         PyErr_NoMemory();
         return -1;
     }
-    pool->next_ticket = ticket + 1;
-    batch_t *batch = &pool->batches[slot];
-    batch->ticket = ticket;
-    batch->remaining = chunks;
-    batch->failed = -1;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        for (uint64_t done = 0; done < sizes[i]; done += left_of(sizes[i] - done, pool->chunk_bytes)) {
-            uint64_t left = sizes[i] - done;
-            chunk_t *chunk = &pool->queue[(pool->head + pool->count) % pool->capacity];
-            chunk->dst = (char *)(uintptr_t)(dsts[i] + done);
-            chunk->src = (const char *)(uintptr_t)(srcs[i] + done);
-            chunk->nbytes = left < pool->chunk_bytes ? left : pool->chunk_bytes;
-            chunk->ticket_slot = slot;
-            chunk->copy_index = (uint32_t)i;
-            pool->count++;
-        }
-    }
-    if (chunks) {
-        pthread_cond_broadcast(&pool->work);
-    }
-    pthread_mutex_unlock(&pool->lock);
-    return ticket;
 }
 
 /* The batch of ``args`` (pool, dsts, srcs, sizes), queued: its ticket and its pool, or -1 with a
