@@ -26,7 +26,7 @@ import streamer_client
 from streamer_client.daemon import DaemonClient, _Receiver
 from streamer_client.dtypes import torch_dtype
 from streamer_client.pinning import HostPinner
-from streamer_client.segments import SegmentMaps, segment_maps
+from streamer_client.segments import POPULATE_PIECE, SegmentMaps, segment_maps
 
 
 @pytest.fixture
@@ -65,6 +65,44 @@ def test_a_segment_is_mapped_and_pinned_once_across_loads(shm_dir):
     assert [c[0] for c in fake.calls] == ["register"]
     maps.close()
     assert [c[0] for c in fake.calls] == ["register", "unregister"] and not fake.registered
+
+
+def _resident_kib(address: int) -> int:
+    """The kB of the mapping that starts at ``address`` present in this process's page tables."""
+    with open("/proc/self/smaps") as f:
+        lines = f.read().splitlines()
+    for i, line in enumerate(lines):
+        if line.split("-", 1)[0] == f"{address:x}":
+            return next(int(entry.split()[1]) for entry in lines[i + 1 :] if entry.startswith("Rss:"))
+    raise AssertionError(f"no mapping starts at 0x{address:x}")
+
+
+class _ResidencyCudart(FakeCudart):
+    """Records how much of each range was already mapped when it was registered."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.resident_kib: list[int] = []
+
+    def host_register(self, address: int, nbytes: int, flags: int) -> int:
+        self.resident_kib.append(_resident_kib(address))
+        return super().host_register(address, nbytes, flags)
+
+
+def test_a_segments_pages_are_mapped_before_its_registration(shm_dir):
+    """Registration then locks pages already mapped instead of faulting them in one by one."""
+    nbytes = 4 * POPULATE_PIECE + 4096  # several pieces and a short last one
+    data = os.urandom(nbytes)
+    _write(shm_dir / "streamer-1-aa-9", data)
+    fake = _ResidencyCudart()
+    maps = _maps(shm_dir, fake)
+    load = maps.load(populate=False)
+    assert _resident_kib(load.segment("streamer-1-aa-9").address) == 0  # mapped, nothing touched yet
+    assert load.pinned("streamer-1-aa-9", None)
+    assert fake.resident_kib == [nbytes // 1024]
+    assert load.view("streamer-1-aa-9", 0, nbytes).tobytes() == data
+    load.close()
+    maps.close()
 
 
 def test_a_segment_replaced_under_its_name_is_never_mistaken_for_the_old_one(shm_dir):
