@@ -8,7 +8,8 @@
 #
 # Needs: python3 with torch, numpy, httpx, safetensors and pytest; the wheels in $WHEELS (.whl-cold/)
 # (instanttensor 0.2.2, fastsafetensors 0.5.0, runai-model-streamer and -s3 0.17.0 with boto3,
-# botocore, s3transfer and jmespath, which Run:ai imports for any load; fastapi, starlette, uvicorn,
+# botocore, s3transfer and jmespath, which Run:ai imports for any load; fastapi (with annotated-doc and
+# opentelemetry-api, which it imports from 0.165), starlette, uvicorn,
 # pydantic, pydantic-core, pydantic-settings and their small dependencies),
 # installed with ONE `pip install --target`; this checkout with client/streamer_client/_copier.abi3.so
 # built (`pip install -e client`), which is the streamer-client and streamer-service it runs. Root,
