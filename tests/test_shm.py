@@ -59,9 +59,9 @@ def test_a_large_segment_is_filled_by_threads_side_by_side(shm_dir, monkeypatch)
     monkeypatch.setattr(shm, "FILL_SHARE", 2 * MIB)  # 256 MiB by default: an oversized tensor's segment
     monkeypatch.setattr(shm, "FILL_THREADS", 3)
     monkeypatch.setattr(shm, "_FILLERS", None)
-    filled = []
-    monkeypatch.setattr(shm, "populate_pages", lambda address, nbytes, **kw: filled.append(
-        (threading.current_thread().name, nbytes)) or segments.populate_pages(address, nbytes, **kw))  # fmt: skip
+    filled, populate = [], segments.populate_pages
+    monkeypatch.setattr(segments, "populate_pages", lambda address, nbytes, **kw: filled.append(
+        (threading.current_thread().name, nbytes)) or populate(address, nbytes, **kw))  # fmt: skip
     segment = Segment("seg-1", shm_dir / "seg-1", 20 * MIB + 4096)
     try:
         assert os.stat(segment.path).st_blocks * 512 >= segment.nbytes  # every page allocated in the file

@@ -23,7 +23,7 @@ Overlap. Registration runs on one worker thread, in the order the segments were 
 run (the copy engine is not slowed by it; measured). A copy waits only for its own segment. The
 driver registers one range at a time, and on 4 KiB pages about two fifths of a fresh mapping's
 registration is mapping its pages, one fault at a time on the registering thread: so a segment's
-pages are mapped first, a piece per thread on a few threads (:data:`FAULT_THREADS`), and the
+pages are mapped first, a share each on a few threads (:data:`FAULT_THREADS`), and the
 registration only locks pages already there.
 """
 
@@ -32,12 +32,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import logging
 import mmap
 import os
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Executor, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import numpy as np
@@ -47,7 +48,7 @@ from .errors import DaemonError
 
 __all__ = [
     "POPULATE_PIECE", "Load", "MappedSegment", "SegmentMaps", "map_segment", "map_shared", "populate_pages",
-    "populates_piecewise", "segment_maps",
+    "populate_shares", "populates_piecewise", "segment_maps",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -79,6 +80,24 @@ def populate_pages(address: int, nbytes: int, *, writable: bool, piece: int = PO
         if _libc.madvise(address + offset, min(piece, nbytes - offset), _POPULATE[writable]) != 0:
             code = ctypes.get_errno()
             raise OSError(code, os.strerror(code))
+
+
+def populate_shares(
+    address: int, nbytes: int, *, writable: bool, threads: int, helpers: Executor, piece: int = POPULATE_PIECE
+) -> None:
+    """:func:`populate_pages` over ``threads`` contiguous shares of whole pieces side by side: the
+    calling thread takes the first, ``helpers`` (at least ``threads - 1`` threads) the others. The
+    first share's error, or the first other one's."""
+    share = -(-nbytes // threads // piece) * piece
+    starts = range(0, nbytes, share)
+    populate = functools.partial(populate_pages, writable=writable, piece=piece)
+    others = [helpers.submit(populate, address + start, min(share, nbytes - start)) for start in starts[1:]]
+    try:
+        populate(address, min(share, nbytes))
+    finally:
+        wait(others)
+    for future in others:
+        future.result()
 
 
 def populates_piecewise() -> bool:
@@ -247,17 +266,15 @@ class SegmentMaps:
         return pinned
 
     def _fault_in(self, entry: MappedSegment) -> None:
-        """Map every page of ``entry`` on :data:`FAULT_THREADS` threads, a piece each at a time (on
-        the registration's thread: the only caller)."""
+        """Map every page of ``entry`` on :data:`FAULT_THREADS` threads side by side, this one (the
+        registration's) among them."""
         nbytes = entry.array.nbytes
         if not self._pinner.enabled or nbytes <= POPULATE_PIECE or not _piecewise:
             return
         if self._faulters is None:
-            self._faulters = ThreadPoolExecutor(FAULT_THREADS, thread_name_prefix="streamer-fault")
-        address = entry.address
-        pieces = [(address + at, min(POPULATE_PIECE, nbytes - at)) for at in range(0, nbytes, POPULATE_PIECE)]
+            self._faulters = ThreadPoolExecutor(FAULT_THREADS - 1, thread_name_prefix="streamer-fault")
         try:
-            list(self._faulters.map(lambda piece: populate_pages(*piece, writable=False), pieces))
+            populate_shares(entry.address, nbytes, writable=False, threads=FAULT_THREADS, helpers=self._faulters)
         except OSError:  # a kernel without MADV_POPULATE_READ: the registration maps them itself
             pass
 

@@ -30,21 +30,20 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import functools
 import logging
 import mmap
 import os
 import re
 import secrets
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from streamer_client.errors import ConfigError
-from streamer_client.segments import POPULATE_PIECE, map_shared, populate_pages, populates_piecewise
+from streamer_client.segments import POPULATE_PIECE, map_shared, populate_shares, populates_piecewise
 
 from .pages import Pages, detect_pages
 
@@ -153,16 +152,7 @@ def _fill(mapping: mmap.mmap, nbytes: int, threads: int, piece: int) -> None:
     view = np.frombuffer(mapping, dtype=np.uint8)
     address = view.ctypes.data
     del view  # an exported buffer would keep the mapping from closing
-    share = -(-nbytes // threads // piece) * piece
-    starts = range(0, nbytes, share)
-    fill = functools.partial(populate_pages, writable=True, piece=piece)
-    others = [_fillers().submit(fill, address + start, min(share, nbytes - start)) for start in starts[1:]]
-    try:
-        fill(address, min(share, nbytes))
-    finally:
-        wait(others)
-    for future in others:
-        future.result()
+    populate_shares(address, nbytes, writable=True, threads=threads, helpers=_fillers(), piece=piece)
 
 
 _FILLERS: ThreadPoolExecutor | None = None
