@@ -20,6 +20,7 @@ import pytest
 import torch
 from checkpoints import ground_truth
 from daemon_harness import DaemonProcess, wait_until
+from smaps import resident_bytes
 from test_cuda import FakeCudart
 
 import streamer_client
@@ -67,25 +68,15 @@ def test_a_segment_is_mapped_and_pinned_once_across_loads(shm_dir):
     assert [c[0] for c in fake.calls] == ["register", "unregister"] and not fake.registered
 
 
-def _resident_kib(address: int) -> int:
-    """The kB of the mapping that starts at ``address`` present in this process's page tables."""
-    with open("/proc/self/smaps") as f:
-        lines = f.read().splitlines()
-    for i, line in enumerate(lines):
-        if line.split("-", 1)[0] == f"{address:x}":
-            return next(int(entry.split()[1]) for entry in lines[i + 1 :] if entry.startswith("Rss:"))
-    raise AssertionError(f"no mapping starts at 0x{address:x}")
-
-
 class _ResidencyCudart(FakeCudart):
     """Records how much of each range was already mapped when it was registered."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.resident_kib: list[int] = []
+        self.resident: list[int] = []
 
     def host_register(self, address: int, nbytes: int, flags: int) -> int:
-        self.resident_kib.append(_resident_kib(address))
+        self.resident.append(resident_bytes(address))
         return super().host_register(address, nbytes, flags)
 
 
@@ -97,9 +88,9 @@ def test_a_segments_pages_are_mapped_before_its_registration(shm_dir):
     fake = _ResidencyCudart()
     maps = _maps(shm_dir, fake)
     load = maps.load(populate=False)
-    assert _resident_kib(load.segment("streamer-1-aa-9").address) == 0  # mapped, nothing touched yet
+    assert resident_bytes(load.segment("streamer-1-aa-9").address) == 0  # mapped, nothing touched yet
     assert load.pinned("streamer-1-aa-9", None)
-    assert fake.resident_kib == [nbytes // 1024]
+    assert fake.resident == [nbytes]
     assert load.view("streamer-1-aa-9", 0, nbytes).tobytes() == data
     load.close()
     maps.close()
