@@ -1,6 +1,6 @@
 """Buffer memory (streamer_client.host_memory): private, advised for huge pages, and faulted in on
 the copier's threads before it is page-locked. Read from the kernel's own account of the
-process's mappings (/proc/self/smaps)."""
+process's mappings (/proc/self/smaps and /proc/self/pagemap)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import mmap
 import numpy as np
 import pytest
 from smaps import mapping as _mapping
-from smaps import resident_bytes
+from smaps import resident_in
 
 from streamer_client import copier
 from streamer_client.host_memory import anonymous, fault_in
@@ -18,7 +18,7 @@ MIB = 1024 * 1024
 
 
 def _resident(buffer: np.ndarray) -> int:
-    return resident_bytes(buffer.ctypes.data)
+    return resident_in(buffer.ctypes.data, buffer.nbytes)
 
 
 def test_buffer_memory_is_private_and_advised_for_huge_pages():
