@@ -16,8 +16,9 @@ from pathlib import Path
 import httpx
 
 # RANK_STALL_AFTER=n: after n tensors the rank says "stalled" on stderr and hangs (a test kills it);
-# RANK_SLOW_S=s: it sleeps s seconds after each tensor (a slow consumer); RANK_AWAIT_GO=1: once
-# imported it says "ready" on stderr and waits for a line on stdin before it loads.
+# RANK_SLOW_S=s: it sleeps s seconds after each tensor, before comparing it (a slow consumer);
+# RANK_AWAIT_GO=1: once imported it says "ready" on stderr and waits for a line on stdin before it
+# loads; RANK_BORROWED=1: it asks for borrowed views.
 RANK_SCRIPT = textwrap.dedent(
     """
     import json, os, sys, time, torch, streamer_client
@@ -31,7 +32,8 @@ RANK_SCRIPT = textwrap.dedent(
     files = {}
     got, bad = [], []
     try:
-        for name, t in streamer_client.stream(uri, select=select, rank=rank, world_size=world):
+        borrowed = bool(os.environ.get("RANK_BORROWED"))
+        for name, t in streamer_client.stream(uri, select=select, rank=rank, world_size=world, borrowed=borrowed):
             if len(got) == stall_after:
                 print("stalled", flush=True, file=sys.stderr)
                 time.sleep(3600)

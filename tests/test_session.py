@@ -238,12 +238,19 @@ def test_a_load_no_rank_reads_stops_submitting(node):
 def test_cancel_stops_a_load_and_tells_the_ranks(node):
     session = node.session(1)
     _join_all(session, [None])
-    assert _consume(session, 0, node.shm, stop_after=1)
+    held = session.next(0, [], 10.0)[0]  # handed and not released: the rank may still be copying them
+    assert any(h.segment is not None for h in held)
     session.cancel("the daemon is stopping")
     with pytest.raises(SessionError, match="the daemon is stopping"):
         while True:
             session.next(0, [], 1.0)
-    assert session.wait_ended(60) and list(node.shm.iterdir()) == []
+    assert session.wait_ended(60) and session.holding
+    # The ended session keeps what the rank holds, bytes unchanged, until it leaves.
+    for h in [h for h in held if h.segment is not None]:
+        assert _bytes(h, node.shm) == _truth(node.checkpoint, h.name, node.dir)
+    assert list(node.shm.iterdir())
+    session.leave(0)
+    assert not session.holding and list(node.shm.iterdir()) == []
 
 
 def test_a_rank_that_failed_fails_the_session_naming_it(node):

@@ -98,6 +98,9 @@ class Daemon:
         # served on its own instead of waiting for a whole new group.
         self._unfinished: dict[str, set[int]] = {}
         self._ended_sessions: dict[str, EndedSession] = {}  # recently ended sessions, by id
+        # Ended sessions whose ranks still hold batches, by id: they answer those ranks' requests
+        # (releases, leave) until they let go, and the reaper watches their processes meanwhile.
+        self._holding: dict[str, Session] = {}
         self._refusals: dict[str, _Refusal] = {}  # by session key
         self._rejoins = 0
         self.resident = ResidentStore(int(settings.retention_budget))
@@ -174,6 +177,10 @@ class Daemon:
         self.readers.close()
         if self.pool is not None:
             self.pool.close()
+        with self._lock:
+            holding, self._holding = list(self._holding.values()), {}
+        for session in holding:  # into the closed pool: unlinked
+            session.let_go()
         self.resident.close()
         if self.store is not None:
             self.store.close()
@@ -194,10 +201,13 @@ class Daemon:
     def _reap_loop(self) -> None:
         while not self._stop.wait(_REAP_INTERVAL_S):
             with self._lock:
-                sessions = list(self.sessions.values())
+                sessions = [*self.sessions.values(), *self._holding.values()]
             now = time.monotonic()
             for session in sessions:
                 session.reap(now, self.settings.rank_timeout_s)
+            with self._lock:
+                for session in [s for s in self._holding.values() if not s.holding]:
+                    del self._holding[session.id]
             self.pool.trim(now)
             self.readers.trim(now)
 
@@ -383,6 +393,9 @@ class Daemon:
             for session in self.sessions.values():
                 if session.id == session_id:
                     return session
+            held = self._holding.get(session_id)
+            if held is not None:
+                return held
             ended = self._ended_sessions.get(session_id)
         if ended is not None:
             return ended
@@ -415,6 +428,8 @@ class Daemon:
             del self.finished[:-64]
             done = frozenset(r.rank for r in session.ranks.values() if r.received_everything)
             _remember(self._ended_sessions, session.id, EndedSession(session.id, session.key, session.error, done))
+            if session.holding:
+                self._holding[session.id] = session
 
     def stats(self) -> DaemonStats:
         with self._lock:  # summaries outside it: a session ending holds its own lock and takes this one

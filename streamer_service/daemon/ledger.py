@@ -2,9 +2,18 @@
 
 A batch published to the ranks that need tensors of it is leased to each of them; its buffer
 (``token``: the session's slot, or ``None`` for memory the session does not own) may be reused
-once every rank it was leased to has released it, left or been reclaimed. The ledger says when:
-:meth:`RankLedger.release`, :meth:`~RankLedger.leave` and :meth:`~RankLedger.reclaim` return the
+once no rank holds it. The ledger says when: :meth:`RankLedger.release`,
+:meth:`~RankLedger.leave`, :meth:`~RankLedger.reclaim` and :meth:`~RankLedger.end` return the
 tokens that nobody holds any more.
+
+The lifetime rule (docs/architecture.md, "Segments"): the lease on a batch a rank was *handed*
+(its handles are in the rank's hands: it may be copying their bytes) ends only when the rank
+releases it, says leave, or is known dead (its process gone). A session that fails or ends, or a
+rank silent past the rank timeout, ends the leases of batches the rank was never handed and
+fences a silent rank (:attr:`RankStatus.RECLAIMED`: its next request is refused), but a live
+rank keeps what it holds. Only a rank whose process the daemon cannot watch (``process`` is
+``None``: another PID namespace) loses its holds at the rank timeout; the segments' generations
+then turn a late copy of reused bytes into an error at the rank.
 
 Not thread-safe: the session calls it under its own lock. No I/O, no clock of its own.
 """
@@ -171,9 +180,12 @@ class RankLedger:
         return freed
 
     def leave(self, state: RankState, error: str | None = None) -> list[Any]:
-        """The rank is finished, abandons the load, or failed with ``error``."""
+        """The rank is finished, abandons the load, or failed with ``error``: it holds nothing any
+        more. A rank that was fenced, or that outlived its session, gives back what it still held."""
         if state.status is not RankStatus.ACTIVE:
-            return []
+            freed = self._unlease(state, list(state.outstanding))
+            state.stop_watching()
+            return freed
         complete = not state.to_hand_out and not state.queue
         if error is not None:
             status = RankStatus.FAILED
@@ -183,23 +195,40 @@ class RankLedger:
 
     def reclaim(self, now: float, rank_timeout_s: float) -> list[tuple[RankState, str, list[Any]]]:
         """Reclaim active ranks whose process is gone or that were silent for longer than
-        ``rank_timeout_s`` (a rank waiting in a long-poll is not silent): ``(rank, why, freed tokens)``."""
+        ``rank_timeout_s`` (a rank waiting in a long-poll is not silent), and end the holds of
+        ranks no longer active once their process is gone: ``(rank, why, freed tokens)``. A silent
+        rank whose process lives is fenced and keeps the batches it was handed (the module docstring)."""
         out = []
-        for state in list(self.active()):
-            if state.gone():
-                why = "its process is gone"
-            elif not state.asking and now - state.last_seen > rank_timeout_s:
-                why = f"silent for {now - state.last_seen:.1f} s"
+        for state in list(self.ranks.values()):
+            silent = not state.asking and now - state.last_seen > rank_timeout_s
+            gone = state.gone()
+            if state.status is not RankStatus.ACTIVE:
+                if state.outstanding and (gone or (state.process is None and silent)):
+                    held = len(state.outstanding)
+                    why = "its process is gone" if gone else f"silent for {now - state.last_seen:.1f} s"
+                    freed = self._unlease(state, list(state.outstanding))
+                    state.stop_watching()
+                    out.append((state, f"{why}; the {held} batches it held are free", freed))
+                continue
+            if gone:
+                why, keep = "its process is gone", False
+            elif silent:
+                why, keep = f"silent for {now - state.last_seen:.1f} s", state.process is not None
             else:
                 continue
-            leases = len(state.outstanding)
-            out.append((state, f"{why}; reclaiming its {leases} leases", self._end(state, RankStatus.RECLAIMED)))
+            freed = self._end(state, RankStatus.RECLAIMED, keep_held=keep)
+            if state.outstanding:
+                why += f"; fenced, it keeps the {len(state.outstanding)} batches it was handed until it releases them or its process is gone"
+            out.append((state, f"{why}; reclaimed", freed))
         return out
 
-    def _end(self, state: RankState, status: RankStatus, error: str | None = None) -> list[Any]:
-        freed = self._unlease(state, list(state.outstanding))
+    def _end(self, state: RankState, status: RankStatus, error: str | None = None, *, keep_held: bool = False) -> list[Any]:
+        """``state`` is no longer active: the leases of batches it was not handed end now, and
+        those it was handed unless ``keep_held`` (it may still be copying their bytes)."""
+        freed = self._unlease(state, [i for i in state.outstanding if not (keep_held and i in state.held)])
         state.queue.clear()
-        state.stop_watching()
+        if not state.outstanding:
+            state.stop_watching()
         state.status, state.error = status, error
         return freed
 
@@ -211,11 +240,27 @@ class RankLedger:
             if state.finished:
                 self._end(state, RankStatus.DONE)
 
-    def clear(self) -> None:
-        """The session ended: its buffers go back whatever the ranks hold."""
-        self._leases.clear()
-        for r in self.ranks.values():
-            r.stop_watching()
+    def end(self) -> list[Any]:
+        """The session ended (done, failed or cancelled): the leases of batches not handed out
+        end, and those of ranks whose process is gone; what live ranks were handed stays leased
+        until they release it (:attr:`holding`). Returns the tokens nobody holds any more."""
+        freed = []
+        for state in self.ranks.values():
+            keep = not state.gone()
+            freed += self._unlease(state, [i for i in state.outstanding if not (keep and i in state.held)])
+            state.queue.clear()
+            if not state.outstanding:
+                state.stop_watching()
+        return freed
+
+    @property
+    def holding(self) -> bool:
+        """Whether some rank still holds a batch leased to it."""
+        return bool(self._leases)
+
+    def held_tokens(self) -> list[Any]:
+        """The tokens of the batches some rank holds."""
+        return [token for _, token in self._leases.values() if token is not None]
 
     def summary(self) -> dict[int, RankSummary]:
         return {r.rank: r.summary() for r in self.ranks.values()}

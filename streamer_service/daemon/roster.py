@@ -18,7 +18,7 @@ from streamer_client.errors import SessionError
 from ..checkpoint.catalog import TensorInfo
 from ..checkpoint.plan import union_order
 from ..uri import StorageURI
-from .ledger import RankState, RankStatus
+from .ledger import RankState
 
 __all__ = ["Roster"]
 
@@ -93,13 +93,12 @@ class Roster:
         )
 
     def member(self, rank: int, state: RankState | None, peer_pid: int | None = None) -> RankState:
-        """``rank``'s state for one of its requests: refused when it never joined or was reclaimed,
-        or when the request's process (``peer_pid``) is not the one that joined as the rank, where
-        the daemon knows both (a unix-socket peer it can watch)."""
+        """``rank``'s state for one of its requests: refused when it never joined, or when the
+        request's process (``peer_pid``) is not the one that joined as the rank, where the daemon
+        knows both (a unix-socket peer it can watch). A reclaimed rank is a member still: it may
+        release what it holds and leave, and is refused anything more (the session's ``next``)."""
         if state is None:
             raise SessionError(f"rank {rank} is not part of session {self.key!r}")
-        if state.status is RankStatus.RECLAIMED:
-            raise self.reclaimed(rank)
         joined = state.process.pid if state.process is not None else None
         if joined and peer_pid and peer_pid != joined:
             raise SessionError(

@@ -16,10 +16,13 @@ the URI; tests pass a fake one and drive a session in-process), each batch publi
 is the feed's (``session_feed``). This module is the state machine that ties them together: the
 joins, the loading thread's start and end, and the ranks' requests.
 
-A rank whose process is gone, or that is silent for ``rank_timeout_s``, is reclaimed (its leases
-released); the others finish. A load no rank reads any more (all left or reclaimed) stops reading,
-as does every load when the daemon stops. Segments are unlinked when the session ends, whatever the
-outcome, except those the session kept resident (``resident``): with a retention budget, the tensors
+A rank whose process is gone, or that is silent for ``rank_timeout_s``, is reclaimed; the others
+finish. A load no rank reads any more (all left or reclaimed) stops reading, as does every load when
+the daemon stops. When the session ends, whatever the outcome, its segments go back to the pool,
+except those the session kept resident (``resident``) and those a live rank still holds: a segment
+is reused only once every rank handed a batch in it released it, left, or is gone (the ledger's
+lifetime rule). An ended session that ranks still hold answers their requests (releases, leave, and
+its outcome) until they let go (:attr:`Session.holding`). With a retention budget, the tensors
 a previous load left in memory are handed out from there first, and only the rest is streamed, each
 batch into a segment of its own that stays for the next load. A session can also serve a single rank
 (``only``): one that rejoins a load after dying.
@@ -297,8 +300,15 @@ class Session:
             if self._versions is not None:
                 self._versions.close()
             with self._cond:
-                self._ledger.clear()
-            self._buffers.release()
+                self._recycle_all(self._ledger.end())
+            # Under the session's lock: a rank releasing meanwhile finds its slot either held here or gone back.
+            self._buffers.release(held=self._ledger.held_tokens, holding=lambda: self._ledger.holding)
+            if self.holding:
+                log.warning(
+                    "session %s (%s) ended while ranks %s still hold batches: their segments are reused once "
+                    "they release them, leave, or their processes are gone",
+                    self.key, self.checkpoint.uri, sorted(r.rank for r in self.ranks.values() if r.outstanding),
+                )  # fmt: skip
             self._on_end(self)
 
     # ------------------------------------------------------------------ rank requests
@@ -312,8 +322,10 @@ class Session:
         requesting process, refused unless it is the rank's (``Roster.member``)."""
         with self._cond:
             state = self._rank(rank, peer_pid)
-            poll = state.polls = state.polls + 1  # an earlier request still waiting gives way when woken
             self._recycle_all(self._ledger.release(state, release))  # (which wakes every waiter)
+            if state.status is RankStatus.RECLAIMED:  # fenced: what it released is taken, nothing more is given
+                raise self._roster.reclaimed(rank)
+            poll = state.polls = state.polls + 1  # an earlier request still waiting gives way when woken
             state.last_seen = self._clock()
             deadline = self._clock() + wait_s
             state.asking += 1
@@ -383,7 +395,7 @@ class Session:
         fail a session still waiting for ranks after the join timeout."""
         with self._cond:
             self._expire_join(now)
-            if self.state is not SessionState.STREAMING:
+            if self.state is SessionState.JOINING or not (self.state is SessionState.STREAMING or self.holding):
                 return
             for state, why, freed in self._ledger.reclaim(now, rank_timeout_s):
                 log.warning("session %s: rank %d %s", self.key, state.rank, why)
@@ -396,7 +408,26 @@ class Session:
     def _recycle_all(self, slots: Sequence[SegmentSlot]) -> None:
         for slot in slots:
             self._buffers.recycle(slot)
+        if not self._ledger.holding:
+            self._buffers.unheld()
         self._cond.notify_all()
+
+    def let_go(self) -> None:
+        """The daemon stops: what ranks still hold is given back as if they had released it (its
+        segments are unlinked; a rank that maps one already keeps its pages, unchanged)."""
+        with self._cond:
+            for state in self.ranks.values():
+                self._recycle_all(
+                    self._ledger.leave(state)
+                    if state.status is not RankStatus.ACTIVE
+                    else self._ledger.leave(state, "the daemon stopped")
+                )
+
+    @property
+    def holding(self) -> bool:
+        """Whether a rank still holds a batch of this session (after it ended: until they let go)."""
+        with self._cond:
+            return self._ledger.holding
 
     # ------------------------------------------------------------------ ending
 
@@ -411,7 +442,7 @@ class Session:
         self.times.mark("ended")
         self._cond.notify_all()
         if self._thread is None:  # never started streaming: nothing else will call on_end
-            self._ledger.clear()  # the joined ranks' process watches
+            self._ledger.end()  # the joined ranks' process watches
             self._no_longer_joining()
             self._on_end(self)
 

@@ -25,6 +25,11 @@ and when (its state machine). Two kinds of segment:
   some hosts: the segments made already let the load start at once and give the makers a head
   start.
 
+When the session ends (:meth:`SessionBuffers.release`), every segment goes back but those a rank
+still holds (the ledger's lifetime rule): each of those goes back when its last holder lets go
+(:meth:`~SessionBuffers.recycle`), and the resident copy stays pinned until none is held
+(:meth:`~SessionBuffers.unheld`).
+
 Locking: ``lock`` is the session's condition; every method that changes the segment list takes
 it. :meth:`acquire` takes or makes a new segment outside it (``Ring.take``).
 """
@@ -111,6 +116,8 @@ class SessionBuffers:
         self._adopted = False  # the pool gave segments: it makes its standing ring again at the end
         self._watching = False  # the pool wakes this session when it made a segment (:meth:`_grow`)
         self.ring_bound = 0  # the ring's slots at most, for ranks that page-lock (:meth:`bound_ring`; 0: the budget's)
+        self._ended = False  # released: a slot whose holders let go goes straight back to the pool
+        self._copy_held = False  # the session ended while ranks held batches: the copy stays pinned
 
     # ------------------------------------------------------------------ the resident copy
 
@@ -279,6 +286,13 @@ class SessionBuffers:
 
     def recycle(self, slot: SegmentSlot) -> None:
         """Every rank released ``slot``'s batch (called under the lock)."""
+        if self._ended:  # a slot that outlived its session: no ring takes it back
+            self._slots.remove(slot)
+            if not slot.kept:
+                self._pool.give(slot.segment, slot.reservation, keep=True, now=self._clock())
+            elif not slot.resident:
+                slot.segment.close()
+            return
         if slot.kept:
             return  # the resident copy owns it now
         if slot.oversized:
@@ -287,14 +301,23 @@ class SessionBuffers:
             self._pool.give(slot.segment, slot.reservation, keep=True, now=self._clock())
         self._ring.give(slot, oversized=slot.oversized)
 
-    def release(self) -> None:
-        """The session ended: ring segments go back to the pool, the claim is settled."""
+    def release(self, held: Callable[[], Iterable[SegmentSlot]] = tuple, holding: Callable[[], bool] = bool) -> None:
+        """The session ended: ring segments go back to the pool, the claim is settled; but for the
+        slots ``held()`` names (asked under the lock): ranks still hold their batches, and each goes
+        back when they let go (:meth:`recycle`). While ``holding()`` (any batch held, the resident
+        copy's too) the copy stays pinned, until :meth:`unheld`."""
         if self._watching:
             self._pool.unwatch(self._wake)
             self._watching = False
         with self._lock:
-            slots, self._slots = self._slots, []
+            kept = {id(slot) for slot in held()}
+            every = self._slots
+            slots = [slot for slot in every if id(slot) not in kept]
+            self._slots = [slot for slot in every if id(slot) in kept]
             self._ring.drain()
+            self._ended = True
+            self._copy_held = holding()
+            unpin = not self._copy_held  # else the last holder's release unpins it (:meth:`unheld`)
         ahead, self._ahead = self._ahead, deque()
         adopting, self._adopting = self._adopting, deque()
         self._upcoming.clear()
@@ -311,5 +334,12 @@ class SessionBuffers:
             elif not slot.resident:
                 slot.segment.close()  # claimed but never filled: the load failed first
         if self._copy is not None:
-            self._resident.settle(self._claimed - sum(s.segment.nbytes for s in slots if s.resident))
+            self._resident.settle(self._claimed - sum(s.segment.nbytes for s in every if s.resident))
+            if unpin:
+                self._resident.unpin(self._copy)
+
+    def unheld(self) -> None:
+        """No rank holds any batch of the ended session any more: the resident copy is unpinned."""
+        if self._ended and self._copy_held and self._copy is not None:
+            self._copy_held = False
             self._resident.unpin(self._copy)
