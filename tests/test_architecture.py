@@ -1,6 +1,7 @@
 """The layers of docs/architecture.md, checked from the code: which package may import which, no
-import cycle, small modules, no history in the code, and every file or module a comment names
-exists.
+import cycle, small modules, no history in the code, every file or module a comment names exists;
+and the docs that keep the code honest: docs/benchmarks.md a page of results, every script under
+benchmarks/ and scripts/ named in a doc.
 
 The import graph is read from the source (``ast``): every ``import`` counts, at module level or
 inside a function, so a lazy import cannot hide a cycle or an upward edge.
@@ -290,15 +291,50 @@ def test_every_file_and_module_the_code_names_exists(path):
     assert _named(path.read_text()) == []
 
 
-# docs/benchmarks.md is a log: it names the files of the run it reports, as they were then.
-DOCS = [
-    ROOT / "README.md",
-    ROOT / "client" / "README.md",
-    *(p for p in sorted((ROOT / "docs").glob("*.md")) if p.name != "benchmarks.md"),
-]
+DOCS = [ROOT / "README.md", ROOT / "client" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_file_and_module_the_docs_name_exists(path):
     # "Changes for integrators" names the paths that were, beside the ones that are.
     assert _named(path.read_text().split("## Changes for integrators")[0]) == []
+
+
+BENCHMARKS_PAGE = ROOT / "docs" / "benchmarks.md"
+# A heading that tells how a number was found, not what it is.
+_NARRATIVE = re.compile(r"\blooks?\b|\btried\b|\bnot kept\b|\bissue \d+|\bsession\b", re.I)
+
+
+def _headings(lines: list[str]) -> list[str]:
+    """The Markdown headings of ``lines``, outside fenced code blocks."""
+    found, fenced = [], False
+    for line in lines:
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and line.startswith("#"):
+            found.append(line)
+    return found
+
+
+def test_the_benchmarks_page_is_a_results_page():
+    lines = BENCHMARKS_PAGE.read_text().splitlines()
+    assert len(lines) <= 400, f"docs/benchmarks.md has {len(lines)} lines: results, not the story (commit messages)"
+    headings = _headings(lines)
+    assert [h for h in headings if _NARRATIVE.search(h)] == []
+    for section in ("## Method", "## Not measured yet"):
+        assert section in headings
+
+
+def _scripts() -> list[Path]:
+    return sorted(
+        p
+        for top in ("benchmarks", "scripts")
+        for p in (ROOT / top).rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts and not p.name.startswith(".")
+    )
+
+
+def test_every_script_is_named_in_the_docs():
+    docs = "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
+    unnamed = [str(p.relative_to(ROOT)) for p in _scripts() if str(p.relative_to(ROOT)) not in docs]
+    assert unnamed == [], "say in docs/benchmarks.md (or the doc it serves) what each is for, with its command"
