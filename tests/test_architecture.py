@@ -1,7 +1,7 @@
 """The layers of docs/architecture.md, checked from the code: which package may import which, no
-import cycle, small modules, no history in the code, every file or module a comment names exists;
-and the docs that keep the code honest: docs/benchmarks.md a page of results, every script under
-benchmarks/ and scripts/ named in a doc.
+import cycle, small modules, no history and no measured figures in the code, every file or module
+a comment names exists; and the docs that keep the code honest: docs/benchmarks.md a page of
+results, every script under benchmarks/ and scripts/ named in a doc.
 
 The import graph is read from the source (``ast``): every ``import`` counts, at module level or
 inside a function, so a lazy import cannot hide a cycle or an upward edge.
@@ -10,7 +10,9 @@ inside a function, so a lazy import cannot hide a cycle or an upward edge.
 from __future__ import annotations
 
 import ast
+import io
 import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -298,6 +300,61 @@ DOCS = [ROOT / "README.md", ROOT / "client" / "README.md", *sorted((ROOT / "docs
 def test_every_file_and_module_the_docs_name_exists(path):
     # "Changes for integrators" names the paths that were, beside the ones that are.
     assert _named(path.read_text().split("## Changes for integrators")[0]) == []
+
+
+# Measured figures go stale in code: a docstring or comment says what the code does and why, and
+# the numbers live in docs/benchmarks.md with their machine and date. A number with a unit of time
+# or of rate is a measurement, unless its line defines a default or a limit.
+_MEASURED = re.compile(r"(?<![\w.])\d+(?:[.,]\d+)?(?:\s*[-–]\s*\d+(?:[.,]\d+)?)?\s*(?:[GMKk]i?B/s|s/GiB|ms|µs|us|ns|s)(?![\w/])")
+_DEFAULT_OR_LIMIT = re.compile(r"\b(?:default|limit|at most|at least|timeout)\b", re.I)
+
+
+def _prose(path: Path) -> list[tuple[int, str]]:
+    """The lines of ``path``'s comments and docstrings (every string that is a statement of its
+    own), with their line numbers; for a C source, its comments."""
+    text = path.read_text()
+    if path.suffix == ".c":
+        return [
+            (text.count("\n", 0, m.start()) + i, line)
+            for m in re.finditer(r"/\*.*?\*/|//[^\n]*", text, flags=re.S)
+            for i, line in enumerate(m.group().splitlines(), 1)
+        ]
+    lines = [
+        (token.start[0], token.string)
+        for token in tokenize.generate_tokens(io.StringIO(text).readline)
+        if token.type == tokenize.COMMENT
+    ]
+    for node in ast.walk(ast.parse(text, str(path))):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            lines += [(node.lineno + i, line) for i, line in enumerate(node.value.value.splitlines())]
+    return lines
+
+
+def _measured(path: Path) -> list[str]:
+    return [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for number, line in _prose(path)
+        if _MEASURED.search(line) and not _DEFAULT_OR_LIMIT.search(line)
+    ]
+
+
+def test_the_prose_rule_finds_measurements_and_lets_defaults_be():
+    assert _MEASURED.search("registering costs 0.05 s/GiB on 4 KiB pages")
+    assert _MEASURED.search("copies at 55 GB/s, 21-24 GB/s with Python threads")
+    assert _MEASURED.search("the zero-fill (about 60 ms per 256 MiB)")
+    assert _MEASURED.search("took 0.20 s on an H200 host")
+    assert not _MEASURED.search("slots of 256 MiB, 8 segments, 100 Gbit/s, 30 seconds")
+    assert not _MEASURED.search("4 KiB pages, 12 threads, STREAMER_JOIN_TIMEOUT_S, sizes 2 MiB")
+    assert _DEFAULT_OR_LIMIT.search("(30 s by default)")
+
+
+@pytest.mark.parametrize(
+    "path",
+    [*_package_files(), *sorted(ROOTS["streamer_client"].rglob("*.c"))],
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
+def test_no_measured_figure_in_a_docstring_or_comment(path):
+    assert _measured(path) == [], "measurements go in docs/benchmarks.md, with their machine and date"
 
 
 BENCHMARKS_PAGE = ROOT / "docs" / "benchmarks.md"

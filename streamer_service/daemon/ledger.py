@@ -6,7 +6,8 @@ once every rank it was leased to has released it, left or been reclaimed. The le
 :meth:`RankLedger.release`, :meth:`~RankLedger.leave` and :meth:`~RankLedger.reclaim` return the
 tokens that nobody holds any more.
 
-Not thread-safe: the session calls it under its own lock. No I/O, no clock of its own.
+Lease, release and reclaim are defined with the segments' other words in docs/architecture.md,
+"Segments". Not thread-safe: the session calls it under its own lock. No I/O, no clock of its own.
 """
 
 from __future__ import annotations
