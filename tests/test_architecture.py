@@ -1,7 +1,8 @@
 """The layers of docs/architecture.md, checked from the code: which package may import which, no
 import cycle, small modules, no history and no measured figures in the code, every file or module
 a comment names exists; and the docs that keep the code honest: docs/benchmarks.md a page of
-results, every script under benchmarks/ and scripts/ named in a doc.
+results, every script under benchmarks/ and scripts/ named in a doc, the client's public names
+those docs/client.md lists.
 
 The import graph is read from the source (``ast``): every ``import`` counts, at module level or
 inside a function, so a lazy import cannot hide a cycle or an upward edge.
@@ -395,3 +396,22 @@ def test_every_script_is_named_in_the_docs():
     docs = "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
     unnamed = [str(p.relative_to(ROOT)) for p in _scripts() if str(p.relative_to(ROOT)) not in docs]
     assert unnamed == [], "say in docs/benchmarks.md (or the doc it serves) what each is for, with its command"
+
+
+def _documented_public_api() -> list[str]:
+    """The names docs/client.md lists under "Public API" as ``streamer_client.__all__``."""
+    page = (ROOT / "docs" / "client.md").read_text()
+    assert "\n## Public API\n" in page, 'docs/client.md lists the public API under "## Public API"'
+    section = page.split("\n## Public API\n", 1)[1].split("\n## ", 1)[0]
+    assert "`streamer_client.__all__`:\n" in section, "the section's list of the package's names"
+    listing = section.split("`streamer_client.__all__`:\n", 1)[1].split("\n\n", 1)[0]
+    return re.findall(r"^- `(\w+)", listing, flags=re.M)
+
+
+def test_the_public_api_is_the_documented_one():
+    import streamer_client
+
+    documented = _documented_public_api()
+    assert len(documented) == len(set(documented))
+    assert sorted(streamer_client.__all__) == sorted(documented)
+    assert all(hasattr(streamer_client, name) for name in streamer_client.__all__)
