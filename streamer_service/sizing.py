@@ -44,7 +44,7 @@ PINNING_RANKS = 2
 """How many of a load's ranks that may page-lock (CUDA ranks) keep its ring to the slots it starts
 with: staged, each would copy every byte once more on the host, and those copies share the host's
 memory; page-locking, each registers those few slots once, in its own process. One rank alone
-stages about as fast as it registers them (docs/benchmarks.md, cold start, "Seventeenth look")."""
+stages about as fast as it registers them."""
 
 MIN_IN_FLIGHT_SLOTS = 2
 """One batch landing while the next is already asked for."""
@@ -54,7 +54,7 @@ REQUESTS_IN_FLIGHT = 2
 
 REQUEST_LATENCY_S = 0.1
 """The request latency the bytes in flight cover: object stores answer a ranged GET's first byte in
-20-100 ms (S3's p99 near the top of that); loopback in microseconds."""
+tens of milliseconds (S3's p99 near this bound); loopback in microseconds."""
 
 RUNAI_OBJ_CONCURRENCY = 8
 """Run:ai 0.17.0's object-storage clients (``RUNAI_STREAMER_OBJ_CONCURRENCY``)."""

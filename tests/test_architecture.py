@@ -1,6 +1,8 @@
 """The layers of docs/architecture.md, checked from the code: which package may import which, no
-import cycle, small modules, no history in the code, and every file or module a comment names
-exists.
+import cycle, small modules, no history and no measured figures in the code, every file or module
+a comment names exists; and the docs that keep the code honest: docs/benchmarks.md a page of
+results, every script under benchmarks/ and scripts/ named in a doc, the client's public names
+those docs/client.md lists.
 
 The import graph is read from the source (``ast``): every ``import`` counts, at module level or
 inside a function, so a lazy import cannot hide a cycle or an upward edge.
@@ -9,7 +11,9 @@ inside a function, so a lazy import cannot hide a cycle or an upward edge.
 from __future__ import annotations
 
 import ast
+import io
 import re
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -290,15 +294,124 @@ def test_every_file_and_module_the_code_names_exists(path):
     assert _named(path.read_text()) == []
 
 
-# docs/benchmarks.md is a log: it names the files of the run it reports, as they were then.
-DOCS = [
-    ROOT / "README.md",
-    ROOT / "client" / "README.md",
-    *(p for p in sorted((ROOT / "docs").glob("*.md")) if p.name != "benchmarks.md"),
-]
+DOCS = [ROOT / "README.md", ROOT / "client" / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_file_and_module_the_docs_name_exists(path):
     # "Changes for integrators" names the paths that were, beside the ones that are.
     assert _named(path.read_text().split("## Changes for integrators")[0]) == []
+
+
+# Measured figures go stale in code: a docstring or comment says what the code does and why, and
+# the numbers live in docs/benchmarks.md with their machine and date. A number with a unit of time
+# or of rate is a measurement, unless its line defines a default or a limit.
+_MEASURED = re.compile(r"(?<![\w.])\d+(?:[.,]\d+)?(?:\s*[-–]\s*\d+(?:[.,]\d+)?)?\s*(?:[GMKk]i?B/s|s/GiB|ms|µs|us|ns|s)(?![\w/])")
+_DEFAULT_OR_LIMIT = re.compile(r"\b(?:default|limit|at most|at least|timeout)\b", re.I)
+
+
+def _prose(path: Path) -> list[tuple[int, str]]:
+    """The lines of ``path``'s comments and docstrings (every string that is a statement of its
+    own), with their line numbers; for a C source, its comments."""
+    text = path.read_text()
+    if path.suffix == ".c":
+        return [
+            (text.count("\n", 0, m.start()) + i, line)
+            for m in re.finditer(r"/\*.*?\*/|//[^\n]*", text, flags=re.S)
+            for i, line in enumerate(m.group().splitlines(), 1)
+        ]
+    lines = [
+        (token.start[0], token.string)
+        for token in tokenize.generate_tokens(io.StringIO(text).readline)
+        if token.type == tokenize.COMMENT
+    ]
+    for node in ast.walk(ast.parse(text, str(path))):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            lines += [(node.lineno + i, line) for i, line in enumerate(node.value.value.splitlines())]
+    return lines
+
+
+def _measured(path: Path) -> list[str]:
+    return [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for number, line in _prose(path)
+        if _MEASURED.search(line) and not _DEFAULT_OR_LIMIT.search(line)
+    ]
+
+
+def test_the_prose_rule_finds_measurements_and_lets_defaults_be():
+    assert _MEASURED.search("registering costs 0.05 s/GiB on 4 KiB pages")
+    assert _MEASURED.search("copies at 55 GB/s, 21-24 GB/s with Python threads")
+    assert _MEASURED.search("the zero-fill (about 60 ms per 256 MiB)")
+    assert _MEASURED.search("took 0.20 s on an H200 host")
+    assert not _MEASURED.search("slots of 256 MiB, 8 segments, 100 Gbit/s, 30 seconds")
+    assert not _MEASURED.search("4 KiB pages, 12 threads, STREAMER_JOIN_TIMEOUT_S, sizes 2 MiB")
+    assert _DEFAULT_OR_LIMIT.search("(30 s by default)")
+
+
+@pytest.mark.parametrize(
+    "path",
+    [*_package_files(), *sorted(ROOTS["streamer_client"].rglob("*.c"))],
+    ids=lambda p: str(p.relative_to(ROOT)),
+)
+def test_no_measured_figure_in_a_docstring_or_comment(path):
+    assert _measured(path) == [], "measurements go in docs/benchmarks.md, with their machine and date"
+
+
+BENCHMARKS_PAGE = ROOT / "docs" / "benchmarks.md"
+# A heading that tells how a number was found, not what it is.
+_NARRATIVE = re.compile(r"\blooks?\b|\btried\b|\bnot kept\b|\bissue \d+|\bsession\b", re.I)
+
+
+def _headings(lines: list[str]) -> list[str]:
+    """The Markdown headings of ``lines``, outside fenced code blocks."""
+    found, fenced = [], False
+    for line in lines:
+        if line.startswith("```"):
+            fenced = not fenced
+        elif not fenced and line.startswith("#"):
+            found.append(line)
+    return found
+
+
+def test_the_benchmarks_page_is_a_results_page():
+    lines = BENCHMARKS_PAGE.read_text().splitlines()
+    assert len(lines) <= 400, f"docs/benchmarks.md has {len(lines)} lines: results, not the story (commit messages)"
+    headings = _headings(lines)
+    assert [h for h in headings if _NARRATIVE.search(h)] == []
+    for section in ("## Method", "## Not measured yet"):
+        assert section in headings
+
+
+def _scripts() -> list[Path]:
+    return sorted(
+        p
+        for top in ("benchmarks", "scripts")
+        for p in (ROOT / top).rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts and not p.name.startswith(".")
+    )
+
+
+def test_every_script_is_named_in_the_docs():
+    docs = "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
+    unnamed = [str(p.relative_to(ROOT)) for p in _scripts() if str(p.relative_to(ROOT)) not in docs]
+    assert unnamed == [], "say in docs/benchmarks.md (or the doc it serves) what each is for, with its command"
+
+
+def _documented_public_api() -> list[str]:
+    """The names docs/client.md lists under "Public API" as ``streamer_client.__all__``."""
+    page = (ROOT / "docs" / "client.md").read_text()
+    assert "\n## Public API\n" in page, 'docs/client.md lists the public API under "## Public API"'
+    section = page.split("\n## Public API\n", 1)[1].split("\n## ", 1)[0]
+    assert "`streamer_client.__all__`:\n" in section, "the section's list of the package's names"
+    listing = section.split("`streamer_client.__all__`:\n", 1)[1].split("\n\n", 1)[0]
+    return re.findall(r"^- `(\w+)", listing, flags=re.M)
+
+
+def test_the_public_api_is_the_documented_one():
+    import streamer_client
+
+    documented = _documented_public_api()
+    assert len(documented) == len(set(documented))
+    assert sorted(streamer_client.__all__) == sorted(documented)
+    assert all(hasattr(streamer_client, name) for name in streamer_client.__all__)

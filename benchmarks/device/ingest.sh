@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Object-storage ingest on the lent device machine, in one call (docs/benchmarks.md, "Ingest at
-# the node's line rate"): SeaweedFS on loopback, a 4 GiB checkpoint, plain Run:ai (A) against the
+# Object-storage ingest on the lent device machine, in one call (docs/benchmarks.md, "Object-storage
+# ingest"): SeaweedFS on loopback, a 4 GiB checkpoint, plain Run:ai (A) against the
 # daemon (B) at N = 1 and 4, then a fresh daemon's first and second loads, then a fresh daemon with
 # a retention budget; one table at the end. Run from the repository root:
 #

@@ -6,6 +6,10 @@ Public API (the names other projects rely on)::
     stream(uri, *, select=None, rank=0, world_size=1, device="cpu", socket=None, ...)
         -> iterator of (name, torch.Tensor)
     load_state_dict(uri, **same) -> dict[str, torch.Tensor]
+
+with ``errors``, ``StreamerError`` and ``__version__``: ``__all__``, listed in docs/client.md,
+"Public API", with the public modules besides (``errors``, ``integrations``). The package's other
+modules are internal.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
  * (streamer_client/delivery.py). The copies run here, on threads that never touch the
  * interpreter: one call queues a batch (split into chunks), one call waits for it with the GIL
  * released. Python threads doing the same copies contend for the GIL between chunks
- * (docs/benchmarks.md, "our own reader": 21.6-23.7 GB/s against 31 with Run:ai's reader); here the
+ * and run slower for it; here the
  * interpreter is involved twice per batch.
  *
  * A source is a file mapping, and a file cut short under a mapping raises SIGBUS on the next

@@ -39,7 +39,7 @@ __all__ = [
 
 COPY_THREADS = min(12, len(os.sched_getaffinity(0)))
 """Most copying threads of a process's pool: enough to saturate host-to-device copies on a 16-CPU
-host while leaving CPUs for the loading thread and the DMA completions (docs/benchmarks.md)."""
+host while leaving CPUs for the loading thread and the DMA completions."""
 CHUNK_BYTES = 2 * 1024 * 1024  # 1 MiB: the same within noise; 4 MiB: slower
 
 

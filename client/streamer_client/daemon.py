@@ -91,7 +91,7 @@ def _staged(
     beside its reads, so a first load pins them; a ring of recycled slots (``recycled``) is
     registered once for all the batches that pass through it; a process that reloads has its
     segments registered already; segments already whole in memory are staged faster than they are
-    registered, and staged about as fast as page-locked ones are copied (docs/benchmarks.md)."""
+    registered, and staged about as fast as page-locked ones are copied."""
     if pin_segments == "auto":
         return copier.available() and (from_memory or (not reloading and not huge_pages and not recycled))
     return pin_segments == "never"

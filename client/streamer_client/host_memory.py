@@ -7,16 +7,15 @@ into, and the page-locked staging ring a rank copies through to a device. Two ru
   transparent huge pages (shmem has its own switch, off by default);
 - **advised for huge pages** (``MADV_HUGEPAGE``, as numpy does for large arrays): fresh memory is
   filled only as fast as its pages fault in, and page-locking it (``cudaHostRegister``) faults
-  every page first; huge pages fault in a 512th as often (docs/benchmarks.md has what that
-  saved a first load). Advice only: a kernel without THP refuses it and the memory works as
-  before.
+  every page first; huge pages fault in a 512th as often. Advice only: a kernel without THP
+  refuses it and the memory works as before.
 
 Fresh memory that is page-locked before anything is written into it (the staging ring) is
 faulted in first, on the native copier's threads (:func:`fault_in`): a page's first touch is a
 fault and a zero-fill, and ``cudaHostRegister`` of fresh memory makes every one of them on the
-calling thread, at one thread's rate; faulted in on the copier's threads and then registered, the
-same buffers take about a third of that (docs/benchmarks.md, "Fifth look"). The embedded engine's
-slots are page-locked after their first fill, whose copying threads have faulted them in.
+calling thread, at one thread's rate; faulted in on the copier's threads side by side and then
+registered, the same buffers are page-locked sooner. The embedded engine's slots are page-locked
+after their first fill, whose copying threads have faulted them in.
 
 The memory lives as long as the returned array and every view of it (a tensor built over the
 array holds it); it goes back to the OS with the last one.

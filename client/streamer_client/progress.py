@@ -1,4 +1,4 @@
-"""Progress bars on stderr: bytes, tensors or files done, and the rate (tqdm's ``1.23GB/s``).
+"""Progress bars on stderr: bytes, tensors or files done, and the rate (in tqdm's scaled units).
 
 One helper for the CLI (``pull``, ``demo``) and the client (``stream(..., progress=True)``).
 tqdm is a dependency of streamer-service but not of streamer-client (rank containers install

@@ -1,11 +1,12 @@
 """Daemon segment files, mapped and page-locked once per process and reused across loads.
 
 A rank that maps the daemon's shared-memory segments pays twice per segment: the mapping
-(page-table entries for every page) and, for CUDA targets, ``cudaHostRegister`` (measured on an
-H200 host: 0.05 s/GiB on 4 KiB ``/dev/shm`` pages, 0.018 s/GiB on a huge-page tmpfs, i.e. slower
-than the 55 GB/s copy that follows it; docs/benchmarks.md). Both are paid once per process here:
-a reload served from the daemon's resident copy, and a load whose ring segments the daemon kept
-idle from the last one, reuse the mapping and the registration as they are.
+(page-table entries for every page) and, for CUDA targets, ``cudaHostRegister``, which locks the
+segment page by page and on 4 KiB pages takes longer than the host-to-device copy that follows
+it. Both are paid once per process here:
+a reload served from the daemon's resident copy, and a load whose ring slots the daemon kept
+idle from the last one (the standing ring; docs/architecture.md, "Segments", defines the words),
+reuse the mapping and the registration as they are.
 
 Identity. A segment is reused only while the path still names the file we mapped: the daemon names
 each one ``streamer-<pid>-<instance token>-<n>`` and never gives a name twice, and a cached entry is
@@ -20,8 +21,8 @@ gave back (session ended, resident copy evicted, daemon restarted) for at most t
 
 Overlap. Registration runs on one worker thread, in the order the segments were announced
 (:meth:`Load.prepare`), so the next segment is page-locked while the copies out of the current one
-run (the copy engine is not slowed by it; measured). A copy waits only for its own segment. The
-driver registers one range at a time, and on 4 KiB pages about two fifths of a fresh mapping's
+run (the copy engine is not slowed by it). A copy waits only for its own segment. The
+driver registers one range at a time, and on 4 KiB pages much of a fresh mapping's
 registration is mapping its pages, one fault at a time on the registering thread: so a segment's
 pages are mapped first, a share each on a few threads (:data:`FAULT_THREADS`), and the
 registration only locks pages already there.
@@ -144,9 +145,8 @@ def map_segment(path: Path, *, private: bool = False, populate: bool = False) ->
             # instead of crashing on a read-only page. (Never populated: that would copy every page.)
             mapping = mmap.mmap(fd, st.st_size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         else:
-            # Populated for CPU copies. Not before a CUDA registration, which faults the pages in
-            # itself (populating first made map + register 0.23 s instead of 0.20 s for 4 GB of 4 KiB
-            # pages on an H200 host).
+            # Populated for CPU copies. Not for a CUDA registration, whose pages are mapped on
+            # FAULT_THREADS threads before it instead of on this one.
             mapping = map_shared(fd, st.st_size, writable=False, populate=populate)
     finally:
         os.close(fd)

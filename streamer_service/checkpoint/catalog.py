@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 INDEX_NAME = "model.safetensors.index.json"
 SAFETENSORS_SUFFIX = ".safetensors"
 
-# Object storage answers a small range read in ~10 ms to 100 ms; a few
+# Object storage answers a small range read in tens of milliseconds; a few
 # hundred shards read one by one would take tens of seconds. A handful of
 # threads hides that latency without hammering the endpoint.
 HEADER_READ_WORKERS = 8

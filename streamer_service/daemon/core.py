@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from streamer_client.errors import SessionError, StreamerError
@@ -27,6 +27,7 @@ from ..readers.runai import check_credentials, storage_environment
 from ..settings import Settings
 from ..sizing import first_ring_slots, in_flight_bytes, slot_bytes
 from ..uri import StorageURI
+from .ended import EndedSession, remember
 from .ledger import UNFINISHED, RankStatus
 from .metrics import Metrics, build_info
 from .pages import small_pages_advice
@@ -43,7 +44,6 @@ __all__ = ["Daemon"]
 log = logging.getLogger(__name__)
 
 _REAP_INTERVAL_S = 0.5
-_ENDED_KEPT = 256  # how many ended sessions' outcomes are remembered (rejoins, late requests)
 
 
 @dataclass
@@ -57,33 +57,6 @@ class _Refusal:
     world_size: int
     told: set[int]  # the refused rank, and those of the group told since
     until: float
-
-
-@dataclass(frozen=True)
-class EndedSession:
-    """What the daemon remembers of a session that ended, for a rank that asks after it."""
-
-    id: str
-    key: str
-    error: StreamerError | None
-    done: frozenset[int] = field(default_factory=frozenset)  # ranks that received everything
-
-    def next(self, rank: int, release: Sequence[int], wait_s: float, gone: object = None, peer_pid: int | None = None):
-        if self.error is not None:  # a rank asking after its session failed learns why, not just "gone"
-            raise type(self.error)(self.error.message, uri=self.error.uri, key=self.error.key)
-        if rank in self.done:  # e.g. a load of zero tensors, over before its ranks first asked
-            return [], True
-        raise SessionError(f"unknown or finished session {self.id!r}")
-
-    def leave(self, rank: int, error: str | None = None, peer_pid: int | None = None) -> None:
-        """Leaving is idempotent."""
-
-
-def _remember(memory: dict, key, value) -> None:
-    """``memory[key] = value``, forgetting the oldest entries beyond ``_ENDED_KEPT``."""
-    memory[key] = value
-    while len(memory) > _ENDED_KEPT:
-        del memory[next(iter(memory))]
 
 
 class Daemon:
@@ -419,7 +392,7 @@ class Daemon:
                 self._unfinished.pop(session.key, None)
                 left = {r.rank for r in session.ranks.values() if r.status in UNFINISHED}
                 if left and session.load_complete:
-                    _remember(self._unfinished, session.key, left)
+                    remember(self._unfinished, session.key, left)
             elif session.state is SessionState.DONE and all(r.status is RankStatus.DONE for r in session.ranks.values()):
                 group, rank = session.rejoin  # caught up: its next join is its group's again
                 self._unfinished.get(group, set()).discard(rank)
@@ -427,7 +400,7 @@ class Daemon:
             self.finished.append(summary)
             del self.finished[:-64]
             done = frozenset(r.rank for r in session.ranks.values() if r.received_everything)
-            _remember(self._ended_sessions, session.id, EndedSession(session.id, session.key, session.error, done))
+            remember(self._ended_sessions, session.id, EndedSession(session.id, session.key, session.error, done))
             if session.holding:
                 self._holding[session.id] = session
 

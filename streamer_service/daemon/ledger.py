@@ -15,7 +15,8 @@ rank keeps what it holds. Only a rank whose process the daemon cannot watch (``p
 ``None``: another PID namespace) loses its holds at the rank timeout; the segments' generations
 then turn a late copy of reused bytes into an error at the rank.
 
-Not thread-safe: the session calls it under its own lock. No I/O, no clock of its own.
+Lease, release and reclaim are defined with the segments' other words in docs/architecture.md,
+"Segments". Not thread-safe: the session calls it under its own lock. No I/O, no clock of its own.
 """
 
 from __future__ import annotations

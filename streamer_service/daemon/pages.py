@@ -6,8 +6,8 @@ mounted ``huge=always`` / ``within_size`` (or any tmpfs when the kernel's
 ``shmem_enabled`` is ``force``), else 4 KiB pages. With huge pages every segment
 is a whole number of them (hugetlbfs requires it; on tmpfs a partial last page
 would be a small one). Page-locking and first-touch costs fall with the page
-count: ``cudaHostRegister`` of 4 GB took 0.20 s on 4 KiB pages and 0.07 s on a
-``huge=always`` tmpfs on an H200 host (docs/benchmarks.md), so a CUDA rank
+count (``cudaHostRegister`` works page by page, and a 2 MiB page stands for 512
+small ones), so a CUDA rank
 page-locks huge-page segments for a cold load and stages 4 KiB ones
 (``streamer_client.daemon``). hugetlbfs has a fixed pool: ``posix_fallocate``
 reserves a segment's pages up front, so an exhausted pool is a clear error when

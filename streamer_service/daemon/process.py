@@ -1,7 +1,7 @@
 """Watching a rank's process from the daemon: its PID from the unix socket (``SO_PEERCRED``).
 
-A rank that dies is otherwise noticed only after ``STREAMER_RANK_TIMEOUT_S`` of silence (30 s by
-default), holding its segments all that time. The kernel tells a unix-socket server
+A rank that dies is otherwise noticed only after ``STREAMER_RANK_TIMEOUT_S`` of silence
+(30 s by default), holding its segments all that time. The kernel tells a unix-socket server
 its peer's PID, translated into the server's PID namespace (0 where the peer is not visible
 there: another container without a shared process namespace, or a TCP peer), and a pidfd for it
 becomes readable when that process exits, with no PID-reuse race. The reaper asks every half

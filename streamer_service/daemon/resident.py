@@ -1,8 +1,9 @@
 """Checkpoint bytes kept in shared memory after their load, for the next load of the same version.
 
 With a retention budget (``STREAMER_RETENTION_BUDGET``, off by default) a session whose missing
-bytes fit streams each batch into a segment of its own instead of a recycled ring slot, and
-registers the batch's tensors here once loaded. The segments outlive the session, so:
+bytes fit (a retained load) streams each batch into a kept segment of its own instead of a
+recycled ring slot, and registers the batch's tensors here once loaded. The segments outlive the
+session, so:
 
 - a rank that restarts, or a whole new launch of the same checkpoint, is served from node memory
   with no storage read (docs/architecture.md: "every byte once per node");
@@ -16,6 +17,7 @@ while a session uses them (``pin``/``unpin``).
 
 The store owns the bytes it accounts: ``claim`` reserves room for a session's batches, ``add``
 turns a loaded segment into resident tensors, ``settle`` returns what the session did not use.
+The words are defined in docs/architecture.md, "Segments".
 """
 
 from __future__ import annotations

@@ -9,8 +9,7 @@ token and may listen on the pod IP, where the API's TCP listener (``--tcp-port``
 ``/healthz`` asks the API on its unix socket (``/readyz``) and answers what it heard, so a probe
 sees the API's own event loop answer, not only this thread: 200 ``{"status": "ready"}``, else 503.
 It costs one HTTP request on a unix socket. An exec probe starts ``streamer-service health`` every
-period instead: 0.5 s of CPU per run on the loaded 2-core dev machine (``/usr/bin/time``), and 3.7 s
-while ``health`` still imported torch through the server module.
+period instead: a new interpreter and the CLI's imports every time.
 """
 
 from __future__ import annotations

@@ -3,7 +3,9 @@
 A :class:`SegmentPool` hands sessions the segments their rings take, within the daemon's
 :class:`~.shm.ShmBudget`, and takes them back when a session ends. What it keeps idle, what it
 makes in the background (at start, and when a ring grows) and what a retained load takes out of
-it for good is in the class docstring; the segments themselves are :mod:`.shm`'s.
+it for good is in the class docstring; the segments themselves are :mod:`.shm`'s. The words
+(idle segment, made ahead, standing ring, adopt, restand) are defined in docs/architecture.md,
+"Segments".
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ class SegmentPool:
     A ring segment a session no longer needs stays mapped and idle for ``idle_s`` seconds, and
     the next session that needs one of its size takes it as it is (the one that went idle last
     first: :meth:`_take_idle`): its pages are already
-    allocated, so the load skips the zero-fill (about 60 ms per 256 MiB) and the first-touch
+    allocated, so the load skips the zero-fill and the first-touch
     faults (docs/architecture.md: "slots recycle"). Idle segments count against the budget; a request
     that does not fit evicts them first. ``idle_s = 0`` keeps nothing.
 
@@ -151,8 +153,7 @@ class SegmentPool:
         nbytes = self.store.pages.round(nbytes)
         with self._lock:
             # An oversized batch takes an idle segment of its exact size too: a reload of the same
-            # checkpoint skips the zero-fill and first touch of its largest tensors (0.4 s/GiB on 4 KiB
-            # pages on an H200 host).
+            # checkpoint skips the zero-fill and first touch of its largest tensors.
             got = self._take_idle(nbytes)
         if got is not None:
             return got

@@ -17,12 +17,10 @@ is the feed's (``session_feed``). This module is the state machine that ties the
 joins, the loading thread's start and end, and the ranks' requests.
 
 A rank whose process is gone, or that is silent for ``rank_timeout_s``, is reclaimed; the others
-finish. A load no rank reads any more (all left or reclaimed) stops reading, as does every load when
-the daemon stops. When the session ends, whatever the outcome, its segments go back to the pool,
-except those the session kept resident (``resident``) and those a live rank still holds: a segment
-is reused only once every rank handed a batch in it released it, left, or is gone (the ledger's
-lifetime rule). An ended session that ranks still hold answers their requests (releases, leave, and
-its outcome) until they let go (:attr:`Session.holding`). With a retention budget, the tensors
+finish. A load no rank reads any more stops reading, as does every load when the daemon stops. When
+the session ends its segments go back to the pool, but those kept resident (``resident``) and those
+a live rank still holds (the ledger's lifetime rule): an ended session answers its holders'
+releases and leave until they let go (:attr:`Session.holding`). With a retention budget, the tensors
 a previous load left in memory are handed out from there first, and only the rest is streamed, each
 batch into a segment of its own that stays for the next load. A session can also serve a single rank
 (``only``): one that rejoins a load after dying.
@@ -301,14 +299,10 @@ class Session:
                 self._versions.close()
             with self._cond:
                 self._recycle_all(self._ledger.end())
-            # Under the session's lock: a rank releasing meanwhile finds its slot either held here or gone back.
             self._buffers.release(held=self._ledger.held_tokens, holding=lambda: self._ledger.holding)
             if self.holding:
-                log.warning(
-                    "session %s (%s) ended while ranks %s still hold batches: their segments are reused once "
-                    "they release them, leave, or their processes are gone",
-                    self.key, self.checkpoint.uri, sorted(r.rank for r in self.ranks.values() if r.outstanding),
-                )  # fmt: skip
+                holders = sorted(r.rank for r in self.ranks.values() if r.outstanding)
+                log.warning("session %s ended while ranks %s hold batches: kept until they let go", self.key, holders)
             self._on_end(self)
 
     # ------------------------------------------------------------------ rank requests
@@ -413,19 +407,13 @@ class Session:
         self._cond.notify_all()
 
     def let_go(self) -> None:
-        """The daemon stops: what ranks still hold is given back as if they had released it (its
-        segments are unlinked; a rank that maps one already keeps its pages, unchanged)."""
+        """The daemon stops: what ranks still hold goes back (unlinked: a rank mapping it keeps its pages)."""
         with self._cond:
             for state in self.ranks.values():
-                self._recycle_all(
-                    self._ledger.leave(state)
-                    if state.status is not RankStatus.ACTIVE
-                    else self._ledger.leave(state, "the daemon stopped")
-                )
+                self._recycle_all(self._ledger.leave(state, "the daemon stopped"))
 
     @property
-    def holding(self) -> bool:
-        """Whether a rank still holds a batch of this session (after it ended: until they let go)."""
+    def holding(self) -> bool:  # a rank still holds a batch of this session (after its end: until it lets go)
         with self._cond:
             return self._ledger.holding
 

@@ -13,8 +13,8 @@ and when (its state machine). Two kinds of segment:
   load's thread makes none itself while a release may come: it takes whichever comes first, a
   slot the ranks released or a segment made (where the ranks are slower than the reads, growing
   the ring on the load's thread only delays the reads behind it).
-- **Kept segments** (a retention budget with room for the load): one segment per batch, paid by
-  a claim on the resident store; once loaded, the resident copy owns it and serves later loads
+- **Kept segments** (a retained load: a retention budget with room for it): one segment per
+  batch, paid by a claim on the resident store; once loaded, the resident copy owns it and serves later loads
   from it (``resident``). The first slot batches take the pool's idle segments of the slot size
   (the standing ring, made already: ``SegmentPool.adopt``; those made are taken out of the pool
   as the load is planned, those still on their way as their batch is due), which the pool makes
@@ -29,6 +29,9 @@ When the session ends (:meth:`SessionBuffers.release`), every segment goes back 
 still holds (the ledger's lifetime rule): each of those goes back when its last holder lets go
 (:meth:`~SessionBuffers.recycle`), and the resident copy stays pinned until none is held
 (:meth:`~SessionBuffers.unheld`).
+
+The words (ring slot, oversized segment, kept segment, standing ring, adopt, claim and settle,
+ring bound) are defined in docs/architecture.md, "Segments".
 
 Locking: ``lock`` is the session's condition; every method that changes the segment list takes
 it. :meth:`acquire` takes or makes a new segment outside it (``Ring.take``).

@@ -22,6 +22,9 @@ faulted in by several threads for a large one: :func:`_allocated`), so a shm
 filesystem smaller than the budget fails with a clear error here instead of a
 SIGBUS in whichever process first touches a missing page.
 
+What a segment is used as (a ring slot, an oversized segment, a kept segment) and the budget
+they share (:class:`ShmBudget`) are defined in docs/architecture.md, "Segments".
+
 Huge pages: what backs the shm dir's files is :mod:`.pages`'s (:func:`~.pages.detect_pages`).
 """
 
@@ -60,8 +63,7 @@ _NAME_RE = re.compile(r"^streamer-(\d+)-[0-9a-f]+-\d+$")
 # ctypes), so segments made side by side on a many-core host take the time of one and the daemon's
 # other threads run meanwhile (the reads they overlap have cores of their own). Not
 # more: where new memory is slow to come (a VM's memory growing), more threads share that rate and
-# the segment the load needs next comes later (8 threads: 0.60 s of a 4.3 GB retained load waiting
-# for segments on an H200 VM, 4 threads: 0.40 s).
+# the segment the load needs next comes later.
 CREATE_WORKERS = max(1, min(4, os.cpu_count() or 1))
 
 # A segment of at least two FILL_SHARE is filled by as many threads as it has shares, at most

@@ -4,9 +4,9 @@
 tensor's buffer in a CPU load, or, for safe CPU tensors, memory handed to the caller).
 
 :class:`PinnedPool`. A load to a CUDA device page-locks its ring slots
-(``cudaHostRegister``) so that the copies run at the link rate; on an H200 host registering costs
-0.05 s/GiB on 4 KiB pages, and unregistering at the end of the load more again: 0.29 s of a
-0.63 s load of 6.44 GB (docs/benchmarks.md). The pool keeps a load's slots, still
+(``cudaHostRegister``) so that the copies run at the link rate; registering costs time for every
+page, and unregistering at the end of the load costs again, a large part of a first load. The
+pool keeps a load's slots, still
 page-locked, when the load ends, and the next load in the process takes them instead of making
 and registering new ones. The rules:
 

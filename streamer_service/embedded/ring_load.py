@@ -97,8 +97,8 @@ DEVICE_RING_BYTES = 256 * 1024**2
 of them (four), whatever the budget and slot size. The copies drain a slot at the link rate, so a
 few keep the reads busy; small slots start the first copy early and end the last one soon after
 the last read; and page-locking is a first load's largest cost, paid for every byte of the ring.
-The sizes were chosen by measurement (docs/benchmarks.md): larger and smaller rings or slots
-were slower."""
+The sizes were chosen by measurement on GPU hosts: larger and smaller rings or slots were
+slower."""
 
 
 def through_ring(

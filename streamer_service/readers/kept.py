@@ -4,7 +4,7 @@ Run:ai's object-storage client receives a load's bytes into part buffers it allo
 (one Run:ai streamer) first needs them and frees when the reader ends. A reader started for each
 load faults every page of those buffers in again, in the threads that receive the bytes, and
 waits for ``runai_end``. A reader kept started between loads receives the next load's bytes into
-the buffers it has (docs/benchmarks.md, ingest, "Fourteenth look"). A daemon keeps the one its
+the buffers it has, with no new pages to fault in. A daemon keeps the one its
 last load used, for at most ``idle_s`` seconds idle (``STREAMER_SEGMENT_IDLE_S``, the time it keeps
 an idle segment) and not past :data:`MAX_AGE_S` from its start, and holds its buffers' memory
 meanwhile.

@@ -1,9 +1,8 @@
 """Local checkpoint files read through mappings, by native copying threads.
 
 Run:ai's reader reads a local file with ``pread`` into our buffers. For files already in memory
-(tmpfs, the page cache) the cost is the kernel's copy, and on an H200 host it stops near 36 GB/s,
-below InstantTensor, which maps its files and ``memcpy`` s them on 16 threads
-(docs/benchmarks.md). :class:`MappedReader` is the same idea behind the interface of
+(tmpfs, the page cache) the cost is the kernel's copy on each reading thread, slower than
+InstantTensor, which maps its files and ``memcpy`` s them on many threads. :class:`MappedReader` is the same idea behind the interface of
 :class:`~streamer_service.readers.base.Reader`, as Run:ai's, so the pipeline, the ring and the
 version checks are the same for both:
 
@@ -16,7 +15,7 @@ version checks are the same for both:
 - every batch's ranges are copied by the process's native copier
   (:mod:`streamer_client.copier`), split into
   chunks; the interpreter queues a batch with one call and waits for it with one call, the GIL
-  released. Python threads copying the same chunks ran at 21-24 GB/s because they need the GIL
+  released. Python threads copying the same chunks are slower: they need the GIL
   between chunks;
 - a file cut short under its mapping raises SIGBUS on the next access past its end. The copying
   threads catch it and the range fails with :class:`ObjectChangedError`, as a

@@ -65,7 +65,7 @@ def _models() -> botocore.loaders.Loader:
 def _session() -> botocore.session.Session:
     """A session of its own (credentials and configuration resolved afresh, as boto3's default
     session resolves them) that reads service models through the process's one loader: a session's
-    own loader parses the S3 model again, about 0.2 s of CPU for every client made."""
+    own loader parses the S3 model again for every client made."""
     session = botocore.session.get_session()
     session.register_component("data_loader", _models())
     return session

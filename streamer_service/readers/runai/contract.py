@@ -106,9 +106,9 @@ def _import_native() -> ModuleType:
     something in this process imported the package already (then that wrapper is the one used).
 
     The package's ``__init__`` imports its whole Python surface on the way: torch, its
-    safetensors and distributed streamers, and boto3 through its S3 helpers. That was 0.24-0.33 s
-    of a process's first load on a 2-core VM (boto3 installed) and put torch in every daemon,
-    against 3 ms for the wrapper alone, which needs only ``libstreamer`` and ``s3_utils`` (ctypes
+    safetensors and distributed streamers, and boto3 through its S3 helpers. That is a large
+    part of a process's first load (with boto3 installed) and would put torch in every daemon,
+    where the wrapper alone needs only ``libstreamer`` and ``s3_utils`` (ctypes
     and the standard library). So while the wrapper is imported, the package's module object
     stands in for it with its ``__init__`` not run, and afterwards the stand-in and every module
     imported under it leave ``sys.modules`` again: a later ``import runai_model_streamer``

@@ -37,10 +37,10 @@ FS_STRATEGY_ENV = "RUNAI_STREAMER_FS_STRATEGY"
 
 # Run:ai 0.17.0 defaults to "io_uring_direct,libaio_direct,sync_buffered": O_DIRECT, which bypasses
 # the page cache. Checkpoints are usually read from a cache that was just filled (a download, a
-# previous load, a local NVMe copy), so buffered reads win: 6.24 vs 1.1 GB/s on the H200 machine
-# (docs/architecture.md), 12 vs 3 GB/s here with a warm 1 GB file.
+# previous load, a local NVMe copy), so buffered reads win:
+# they copy out of the page cache where O_DIRECT reads the device again.
 #
-# Not io_uring_buffered, although it faulted fresh buffers in ~4x faster here: after a load through
+# Not io_uring_buffered, although it faulted fresh buffers in faster: after a load through
 # it, a large write of the same process to a pipe was cut short (8 of 30 runs printed a truncated
 # 2 MB line to a subprocess pipe with exit code 0; 0 of 30 with sync_buffered). Losing a user's
 # output silently is not a price for speed. tests/test_engine.py::test_process_output_survives_a_load
