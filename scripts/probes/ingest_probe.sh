@@ -14,7 +14,7 @@ b() {
     tag=$1; shift
     echo "=== $tag: $*"; start=$(date +%s)
     timeout 200 python3 -m streamer_service bench --source seaweed --size "${SIZE:-4GiB}" --shm-budget 8GiB --work-dir "$W" \
-        --json "$L/$tag.json" "$@" > "$L/$tag.txt" 2>&1 || tail -5 "$L/$tag.txt"
+        --json "$L/$tag.json" --check-targets "$@" > "$L/$tag.txt" 2>&1 || tail -5 "$L/$tag.txt"
     cp "$W/daemon-seaweed/daemon.log" "$L/$tag.daemon.log" 2>/dev/null
     grep -ho "in [0-9.]* s; .*" "$L/$tag.daemon.log"
     python3 benchmarks/ingest_table.py "$L/$tag.json" | grep -v "^$" | grep -v "Run:ai env"
