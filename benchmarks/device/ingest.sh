@@ -43,9 +43,10 @@ python3 -c "import runai_model_streamer, streamer_service.daemon.api, streamer_s
 bench() {
     local name=$1
     shift
-    # A missed target exits 1 (the table says it); a bench past BENCH_S is stopped, the next one runs.
+    # A missed target, time ratios included (--check-targets), exits 1 (the table says it); a bench
+    # past BENCH_S is stopped, the next one runs.
     timeout "$BENCH_S" python3 -m streamer_service bench --source seaweed --size "$SIZE" --shm-budget "$SHM_BUDGET" \
-        --work-dir "$WORK" --json "$OUT/$name.json" "$@" > "$OUT/$name.txt" 2>&1 || echo "bench $name: exit $?"
+        --work-dir "$WORK" --json "$OUT/$name.json" --check-targets "$@" > "$OUT/$name.txt" 2>&1 || echo "bench $name: exit $?"
     cp "$WORK/daemon-seaweed/daemon.log" "$OUT/$name.daemon.log" || true
 }
 
