@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -20,6 +21,12 @@ import torch
 from daemon_harness import finish, finish_failed, wait_until
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from streamer_service.checkpoint.catalog import build_catalog
+from streamer_service.sample import rank_selection
+from streamer_service.settings import Settings
+from streamer_service.storage import open_storage
+from streamer_service.uri import parse_uri
 
 # Segments stay idle for the next load, as a daemon runs by default: the next load takes the ones
 # that went idle last, so a slot handed back too early is written at once.
@@ -71,3 +78,95 @@ def test_a_failed_session_leaves_a_slow_rank_its_bytes_while_another_load_runs(s
     assert result["bad"] == [] and result["got"]
     assert result["error"]["type"] == "ObjectChangedError"
     assert d.healthy()
+
+
+def _catalog(src: Path):
+    return build_catalog(open_storage(parse_uri(str(src)), Settings()))
+
+
+def _outcome(proc, timeout: float = 300) -> dict | None:
+    """A rank's result, finished or failed with a StreamerError (``error`` set); ``None`` for a
+    rank the test killed."""
+    out, err = proc.communicate(timeout=timeout)
+    if proc.returncode == -signal.SIGKILL:
+        return None
+    assert proc.returncode in (0, 3), f"rank exited {proc.returncode}: {out[-1000:]} {err[-3000:]}"
+    return json.loads(out.strip().splitlines()[-1])
+
+
+FAULTS = ("changed", "killed", "stalled", "none")
+
+
+def _round(d, fault: str, r: int, sample: Path, other: Path, tmp_path: Path) -> None:
+    """One round: a load of a fresh copy of ``sample`` (its ranks slow, owned or borrowed by
+    round) with ``fault`` injected, and a load of ``other`` on the same pool at the same time."""
+    src = tmp_path / f"round-{r}"
+    shutil.copytree(sample, src)
+    slow = {"RANK_SLOW_S": "0.5" if fault == "changed" else "0.2", "RANK_BORROWED": "1" if fault == "changed" or r % 2 else ""}
+    victim = {"killed": {"RANK_STALL_AFTER": "2"}, "stalled": {"RANK_STALL_AFTER": "2"}}.get(fault, {})
+    names = [t.name for t in _catalog(src).tensors]
+    fenced = d.log.read_text().count("rank 1 silent")
+    world = 1 if fault == "changed" else 2  # one rank holding its whole checkpoint's replies, as a slow engine does
+    a = [
+        d.start_rank(str(src), k, world, src, rank_selection(names, k, world), **slow, **(victim if k else {}))
+        for k in range(world)
+    ]
+    b = [d.start_rank(str(other), k, 2, other, None, RANK_AWAIT_GO="1") for k in range(2)]
+    if fault == "changed":
+        failures = sum(s["state"] == "failed" for s in d.stats()["finished"])
+        _got(a[0], 2)
+        _replace(src / "model-00002-of-00002.safetensors")
+        wait_until(lambda: sum(s["state"] == "failed" for s in d.stats()["finished"]) > failures, 120, "the load to fail")
+    elif victim:
+        wait_until(lambda: "stalled" in a[1].stderr.readline(), 120, "rank 1 to stall")
+        if fault == "killed":
+            a[1].kill()
+        else:  # alive and silent past the rank timeout: fenced, and kept what it holds until killed below
+            wait_until(lambda: d.log.read_text().count("rank 1 silent") > fenced, 120, "rank 1 to be fenced")
+    for p in b:  # the other load starts once the fault has hit: it takes the segments that went idle last
+        assert p.stderr.readline().strip() == "ready"
+        p.stdin.write("go\n")
+        p.stdin.flush()
+    results = [_outcome(p) for p in b]
+    assert all(res is not None and "error" not in res and res["bad"] == [] for res in results), results
+    if fault == "stalled":
+        a[1].kill()
+    outcomes = [_outcome(p) for p in a]
+    for res in outcomes:
+        assert res is None or res["bad"] == [], res
+    if fault == "none":
+        assert all(res is not None and "error" not in res for res in outcomes), outcomes
+    if fault == "changed":
+        assert outcomes[0]["error"]["type"] == "ObjectChangedError"
+    shutil.rmtree(src)
+    assert d.healthy()
+
+
+def _churn(sample: Path, daemon, tmp_path: Path, rounds: int) -> None:
+    other = sevens(sample, tmp_path / "sevens")
+    d = daemon({**POOLED, "STREAMER_RANK_TIMEOUT_S": "5"}, "--shm-budget", "4MiB")
+    for r in range(rounds):
+        _round(d, FAULTS[r % len(FAULTS)], r, sample, other, tmp_path)
+    # Last, the daemon stops while a slow rank holds a reply: the rank yields its own bytes, then the error.
+    src = tmp_path / "last"
+    shutil.copytree(sample, src)
+    slow = d.start_rank(str(src), 0, 1, src, None, RANK_SLOW_S="0.2")
+    _got(slow, 2)
+    d.stop()
+    res = _outcome(slow)
+    assert res["bad"] == [] and res["error"]["type"] in ("SessionError", "DaemonError"), res
+    assert list(d.shm_dir.iterdir()) == []
+
+
+@pytest.mark.timeout(900)  # rank processes start torch: minutes on a loaded 2-core machine
+def test_churn_of_loads_with_faults_never_yields_a_wrong_byte(sample, daemon, tmp_path):
+    """Loads of different checkpoints share a small pool while faults hit them (a shard changed, a
+    rank killed -9, a live rank stalled past the rank timeout, the daemon stopped) and slow ranks
+    hold replies: every tensor any rank yields equals safetensors."""
+    _churn(sample, daemon, tmp_path, rounds=len(FAULTS))
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(7200)
+def test_churn_of_loads_with_faults_never_yields_a_wrong_byte_soak(sample, daemon, tmp_path):
+    _churn(sample, daemon, tmp_path, rounds=200)
