@@ -106,7 +106,9 @@ def cmd_health(args: argparse.Namespace) -> int:
     finally:
         client.close()
     if status != 200:
-        return unhealthy(f"{route} answered {status}", http_status=status)
+        reasons = body.get("reasons", []) if isinstance(body, dict) else []
+        why = f": {'; '.join(reasons)}" if reasons else ""
+        return unhealthy(f"{route} answered {status}{why}", http_status=status, **({"reasons": reasons} if reasons else {}))
     print(json.dumps({**body, "socket": str(path)}) if args.json else body.get("status"))
     return EXIT_OK
 

@@ -199,6 +199,7 @@ class Daemon:
             for session in sessions:
                 session.reap(now, self.settings.rank_timeout_s)
             self.pool.trim(now)
+            self.store.vanished()  # logged as soon as noticed, probed or not
             self.readers.trim(now)
 
     # ------------------------------------------------------------------ requests
