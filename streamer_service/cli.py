@@ -282,7 +282,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # Before anything heavy is imported: a stop that comes while the daemon starts is kept, not lost.
     with StopSignals() as args.stops:
-        return _run(args)
+        code = _run(args)
+    if args.stops.exit_at_once:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _run(args: argparse.Namespace) -> int:
