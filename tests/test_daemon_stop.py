@@ -16,14 +16,16 @@ from test_daemon_edges import _catalog, _upload
 GRACE_S = 1
 
 
+@pytest.mark.parametrize("retention", ["0", "64MiB"], ids=["ring", "retained"])
 @pytest.mark.parametrize("backend", ["s3"], indirect=True)
-def test_sigterm_while_storage_stalls_the_reads_exits_within_the_grace_leaving_no_segment(backend, sample, daemon):
-    """SIGTERM while Run:ai waits on reads that never come: the daemon abandons them (its segment
-    files unlinked, their memory left mapped for the reads), exits 0 within the grace plus 5 s,
-    and the rank is told why."""
+def test_sigterm_while_storage_stalls_the_reads_exits_within_the_grace_leaving_no_segment(backend, sample, daemon, retention):
+    """SIGTERM while Run:ai waits on reads that never come, into ring slots or into segments kept
+    for retention: the daemon abandons them (its segment files unlinked, their memory left mapped
+    for the reads), exits 0 within the grace plus 5 s, and the rank is told why."""
     uri = _upload(backend, sample)
     names = [t.name for t in _catalog(sample).tensors]
-    env = {**backend.env, "STREAMER_SLOT_SIZE": "1MiB", "STREAMER_RANK_TIMEOUT_S": "600", "STREAMER_STOP_GRACE_S": str(GRACE_S)}
+    env = {**backend.env, "STREAMER_SLOT_SIZE": "1MiB", "STREAMER_RANK_TIMEOUT_S": "600", "STREAMER_STOP_GRACE_S": str(GRACE_S),
+           "STREAMER_RETENTION_BUDGET": retention}  # fmt: skip
     d = daemon(env, "--shm-budget", "4MiB")
     stalled = threading.Event()
     # Where each shard's tensor bytes start: header reads pass, Run:ai's tensor reads stall.
