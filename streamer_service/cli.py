@@ -106,7 +106,9 @@ def cmd_health(args: argparse.Namespace) -> int:
     finally:
         client.close()
     if status != 200:
-        return unhealthy(f"{route} answered {status}", http_status=status)
+        reasons = body.get("reasons", []) if isinstance(body, dict) else []
+        why = f": {'; '.join(reasons)}" if reasons else ""
+        return unhealthy(f"{route} answered {status}{why}", http_status=status, **({"reasons": reasons} if reasons else {}))
     print(json.dumps({**body, "socket": str(path)}) if args.json else body.get("status"))
     return EXIT_OK
 
@@ -280,7 +282,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     # Before anything heavy is imported: a stop that comes while the daemon starts is kept, not lost.
     with StopSignals() as args.stops:
-        return _run(args)
+        code = _run(args)
+    if args.stops.exit_at_once:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def _run(args: argparse.Namespace) -> int:

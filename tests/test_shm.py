@@ -13,6 +13,7 @@ import sys
 import tempfile
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -176,3 +177,41 @@ def test_populating_pages_leaves_the_gil_to_the_process_s_other_threads():
         pytest.skip(child.stderr.strip().splitlines()[-1])
     assert child.returncode == 0, child.stderr
     assert child.stdout.splitlines() == ["ran while the pages were held", "populated"]
+
+
+_HOLDER = """
+import sys
+from pathlib import Path
+from streamer_service.daemon.shm import SegmentStore
+store = SegmentStore(Path(sys.argv[1]))
+made = [store.create(2**20) for _ in range(2)]
+print(" ".join(s.name for s in made), flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="unshare --pid needs root")
+def test_a_sweep_removes_the_segments_of_a_process_killed_9_and_never_those_of_a_live_one(shm_dir):
+    """Whether a segment's maker lives is its lock on the segment, whatever its PID says: the maker
+    is PID 1 of a PID namespace of its own (as in a container); the sweep leaves its segments (and
+    files not named as segments) while it lives, and removes them once it was killed -9."""
+    cmd = ["unshare", "--pid", "--fork", "--kill-child=SIGKILL", sys.executable, "-c", _HOLDER, str(shm_dir)]
+    holder = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        made = holder.stdout.readline().split()
+        assert len(made) == 2 and all(n.startswith("streamer-1-") for n in made), made
+        (shm_dir / "streamer-notes").write_text("not a segment")
+        assert shm.sweep_stale_segments(shm_dir) == []
+        assert sorted(p.name for p in shm_dir.iterdir()) == sorted([*made, "streamer-notes"])
+        holder.kill()  # unshare, and with it the maker (--kill-child)
+        holder.wait(timeout=30)
+        swept: set[str] = set()
+        deadline = time.monotonic() + 30
+        while swept != set(made) and time.monotonic() < deadline:
+            swept.update(shm.sweep_stale_segments(shm_dir))
+            time.sleep(0.05)
+        assert swept == set(made)
+        assert [p.name for p in shm_dir.iterdir()] == ["streamer-notes"]
+    finally:
+        holder.kill()
+        holder.communicate()

@@ -41,7 +41,7 @@ from ..settings import Settings
 from .core import Daemon
 from .metrics import CONTENT_TYPE
 from .process import peer_pid
-from .readiness import shm_room
+from .readiness import segments_removed, shm_room
 
 __all__ = ["PEER_PID", "PeerCredentialsProtocol", "create_app"]
 
@@ -241,6 +241,7 @@ def create_app(settings: Settings) -> FastAPI:
         reasons = [r for r in (
             "the daemon is stopping" if d.stopping else None,
             d.reaper_stopped or (None if d.reaper_alive() else "the reaper thread is not running"),
+            segments_removed(d.store),
             room.problem,
         ) if r]  # fmt: skip
         body = {

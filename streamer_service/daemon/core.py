@@ -44,6 +44,7 @@ __all__ = ["Daemon"]
 log = logging.getLogger(__name__)
 
 _REAP_INTERVAL_S = 0.5
+STOP_DRAIN_S = 2.0  # on SIGTERM, how long past the grace the reads in flight may drain (Daemon.stop)
 
 
 @dataclass
@@ -85,6 +86,7 @@ class Daemon:
         self.stopping = False  # the daemon tells its ranks it stops, then stops serving
         self._reaper: threading.Thread | None = None
         self.reaper_stopped: str | None = None  # why the reaper thread ended, if it ever does
+        self.abandoned: list[Session] = []  # still reading when the stop gave up on them (stop)
         self.store: SegmentStore | None = None
         self.pool: SegmentPool | None = None
         # Run:ai's reader of the last load, kept started for the next (its buffers stay allocated).
@@ -123,7 +125,9 @@ class Daemon:
         """Refuse new joins, stop every session (reads in flight drain, nothing new is read) and
         answer each rank's next request ``SessionError`` "the daemon is stopping"; wait until every
         rank still reading was told, or ``STREAMER_STOP_GRACE_S`` passed, before the sessions give
-        their segments back. Called while the API still serves, before it stops."""
+        their segments back, and :data:`STOP_DRAIN_S` more for the reads in flight. A session
+        still reading then is abandoned (:meth:`stop`). Called while the API still serves, before
+        it stops."""
         with self._lock:
             if self.stopping:
                 return
@@ -135,18 +139,27 @@ class Daemon:
         log.info("stopping: telling the ranks of %d sessions (for up to %g s)", len(sessions), grace)
         for session in sessions:
             session.cancel("the daemon is stopping", tell_s=grace)
-        deadline = time.monotonic() + grace + 10.0  # and the reads in flight drain
+        deadline = time.monotonic() + grace + STOP_DRAIN_S
         for session in sessions:
             if not session.wait_ended(max(deadline - time.monotonic(), 0.0)):
-                log.warning("session %s did not stop within %g s; its segments may remain", session.key, grace + 10.0)
+                self.abandoned.append(session)
+        if self.abandoned:
+            log.warning("sessions %s still wait for storage reads %g s after the stop began: the reads are abandoned; the daemon "
+                        "unlinks its segments, leaves them mapped for the reads still writing into them, and exits at once",
+                        ", ".join(s.key for s in self.abandoned), grace + STOP_DRAIN_S)  # fmt: skip
 
     def stop(self) -> None:
         """:meth:`tell_stopping` (where the API did not already), then give back the pool's
-        segments and the resident copies."""
+        segments and the resident copies. Where reads were abandoned, every segment file is unlinked
+        and none unmapped: a native read may still write into them (the process exits: ``cli.main``)."""
         self.tell_stopping()
         self._stop.set()
         if self._reaper is not None:
             self._reaper.join(timeout=5)
+        if self.abandoned:
+            if self.store is not None:
+                self.store.abandon()
+            return
         self.readers.close()
         if self.pool is not None:
             self.pool.close()
@@ -182,6 +195,7 @@ class Daemon:
                 for session in [s for s in self._holding.values() if not s.holding]:
                     del self._holding[session.id]
             self.pool.trim(now)
+            self.store.vanished()  # logged as soon as noticed, probed or not
             self.readers.trim(now)
 
     # ------------------------------------------------------------------ requests

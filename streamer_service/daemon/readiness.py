@@ -5,6 +5,8 @@ reclaimed, idle segments never trimmed), or while the shm filesystem cannot hold
 slots one load streams through: its free space plus what the daemon's own segments already
 take there (ring, idle and resident segments), against the slots a load takes before its ranks
 release any (``sizing.first_ring_slots``). A filesystem smaller than that fails every load at its first segment it has no room for.
+Not ready either while someone else has removed a segment the daemon holds (``shm.SegmentStore.vanished``):
+every load handed it fails.
 """
 
 from __future__ import annotations
@@ -15,8 +17,9 @@ from pathlib import Path
 
 from ..sizing import first_ring_slots
 from .pages import Pages
+from .shm import SegmentStore
 
-__all__ = ["ShmRoom", "shm_room"]
+__all__ = ["ShmRoom", "segments_removed", "shm_room"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,17 @@ class ShmRoom:
 def shm_room(shm_dir: Path, pages: Pages, *, budget: int, slot: int, in_flight: int, held: int) -> ShmRoom:
     ring = max(first_ring_slots(budget, slot, in_flight), 1) * pages.round(slot)
     return ShmRoom(shm_dir, _free_bytes(shm_dir, pages), held, ring, slot, budget)
+
+
+def segments_removed(store: SegmentStore) -> str | None:
+    """Why the daemon is not ready where another process removed some of its segments."""
+    gone = store.vanished()
+    if not gone:
+        return None
+    return (
+        f"{len(gone)} of this daemon's shared-memory segments were removed from {store.shm_dir} by another process "
+        f"({', '.join(gone[:4])}{', ...' if len(gone) > 4 else ''}): loads handed them fail; restart the daemon"
+    )
 
 
 def _free_bytes(shm_dir: Path, pages: Pages) -> int:

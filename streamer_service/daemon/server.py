@@ -117,7 +117,8 @@ def check_startup(settings: Settings) -> None:
 def serve(settings: Settings, stops: StopSignals) -> int:
     """Serve until SIGINT or SIGTERM (recorded by ``stops``, entered by the caller), then clean
     up: 0 for SIGTERM, KeyboardInterrupt for SIGINT. A stop that came before the server would
-    start skips it."""
+    start skips it. Where the stop abandoned reads still in flight (``Daemon.stop``), sets
+    ``stops.exit_at_once``."""
     path = Path(settings.socket) if settings.socket else DEFAULT_SOCKET
     mode = socket_mode(settings)
     check_startup(settings)
@@ -169,6 +170,8 @@ def serve(settings: Settings, stops: StopSignals) -> int:
         if sockets:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
+        daemon = getattr(app.state, "daemon", None)
+        stops.exit_at_once = daemon is not None and bool(daemon.abandoned)
     if stops.interrupted:
         raise KeyboardInterrupt
     return 0

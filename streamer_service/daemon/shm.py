@@ -9,13 +9,16 @@ We do not use ``multiprocessing.shared_memory``: its resource tracker unlinks
 or warns from the wrong process (docs/architecture.md). Segments are unlinked when their
 session ends, and a daemon sweeps segments of dead daemons when it starts.
 
-Whether the daemons that made segments are alive is decided by a lock, not by
-the PID in a segment's name: a PID says nothing in a container, where every
-daemon is PID 1 of its own namespace. Each daemon holds a shared
-``flock`` on the shm dir itself for its whole life; the kernel drops it when
-the process dies, however it dies. A starting daemon that gets the exclusive
-lock knows no other daemon uses the dir, so every segment there is stale. (Only
-where another daemon shares the dir does it fall back to the PIDs.)
+Each segment carries its owner's identity: the daemon that made it holds a shared ``flock`` on
+it from before anyone else can see it until it unlinks it, and the kernel drops that lock when
+the daemon dies, however it dies. A sweep removes a segment only while it holds the exclusive
+lock on it, which no sweep gets while the segment's daemon lives: locks work across PID
+namespaces on one filesystem (two pods sharing an ``emptyDir``), where the PID in a name says
+nothing (every daemon is PID 1 of its container). A segment a sweep removed before its maker
+locked it is made again (:meth:`Segment.__init__`).
+
+Which of its segments someone else removed the daemon knows too (:meth:`SegmentStore.vanished`):
+a rank could not map them, so the daemon is not ready while it holds one.
 
 Every page of a segment is allocated when it is created (``posix_fallocate``, or
 faulted in by several threads for a large one: :func:`_allocated`), so a shm
@@ -39,6 +42,7 @@ import os
 import re
 import secrets
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +59,7 @@ __all__ = ["SEGMENT_PREFIX", "Reservation", "Segment", "SegmentStore", "ShmBudge
 log = logging.getLogger(__name__)
 
 SEGMENT_PREFIX = "streamer-"
-_NAME_RE = re.compile(r"^streamer-(\d+)-[0-9a-f]+-\d+$")
+_NAME_RE = re.compile(r"^streamer-\d+-[0-9a-f]+-\d+$")
 
 
 # Threads that make segments ahead of need (``SegmentStore.create_soon``). posix_fallocate zero-fills
@@ -76,36 +80,75 @@ FILL_THREADS = CREATE_WORKERS
 
 
 class Segment:
-    """One mapped segment file. ``address`` is where Run:ai may write ``nbytes``."""
+    """One mapped segment file. ``address`` is where Run:ai may write ``nbytes``.
 
-    __slots__ = ("name", "path", "nbytes", "_mmap", "array", "address")
+    Holds the file open with a shared ``flock`` until :meth:`close` (the module docstring)."""
+
+    __slots__ = ("name", "path", "nbytes", "_mmap", "array", "address", "_fd", "inode", "closed", "__weakref__")
 
     def __init__(self, name: str, path: Path, nbytes: int, mode: int = 0o600, pages: Pages | None = None) -> None:
         self.name = name
         self.path = path
         self.nbytes = nbytes
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+        self.closed = False
+        fd = _create_locked(path, mode)
         try:
             os.fchmod(fd, mode)  # exactly this mode, whatever the umask
             self._mmap = _allocated(fd, path, nbytes, pages)
+            self.inode = os.fstat(fd).st_ino
         except BaseException:
             os.unlink(path)  # whatever failed, no file is left behind: nothing maps it
-            raise
-        finally:
             os.close(fd)
+            raise
+        self._fd = fd
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)
         self.address = self.array.ctypes.data
 
     def close(self) -> None:
         """Unlink and unmap. Ranks that still map the file keep their pages until they unmap."""
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.path)
+        self.unlink()
         self.array = None
         with contextlib.suppress(BufferError):  # a view still exported: the map goes with it
             self._mmap.close()
 
+    def unlink(self) -> None:
+        """Remove the file and let go of its lock, leaving the mapping as it is: whatever still
+        writes into it may, and its pages go when the last mapping does."""
+        self.closed = True  # before the file goes: SegmentStore.vanished reads it after the file
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def vanished(self) -> bool:
+        """Whether someone else removed or replaced this segment's file while it is in use."""
+        try:
+            gone = os.stat(self.path).st_ino != self.inode
+        except FileNotFoundError:
+            gone = True
+        return gone and not self.closed
+
     def __repr__(self) -> str:
         return f"Segment({self.name!r}, {self.nbytes})"
+
+
+def _create_locked(path: Path, mode: int) -> int:
+    """``path`` created (it must not exist) and opened with a shared ``flock`` held: a sweep that
+    took the exclusive lock first (it listed the file the instant it was made) removed it before
+    it was ours, so it is made again."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # waits for a sweep holding it to have unlinked it
+            if os.fstat(fd).st_nlink:
+                return fd
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            os.close(fd)
+            raise
+        os.close(fd)
 
 
 def _allocated(fd: int, path: Path, nbytes: int, pages: Pages | None) -> mmap.mmap:
@@ -212,7 +255,8 @@ class ShmBudget:
 
 
 class SegmentStore:
-    """Creates this daemon instance's segments; knows how to sweep those of dead daemons."""
+    """Creates this daemon instance's segments, knows which of them someone else removed, and
+    sweeps those of dead daemons."""
 
     def __init__(self, shm_dir: Path, mode: int = 0o600) -> None:
         self.shm_dir = Path(shm_dir)
@@ -223,39 +267,44 @@ class SegmentStore:
         self.pages = detect_pages(self.shm_dir)
         self._counter = 0
         self._lock = threading.Lock()
-        self._dir_fd: int | None = None
         self._makers: ThreadPoolExecutor | None = None
+        self._made: weakref.WeakValueDictionary[str, Segment] = weakref.WeakValueDictionary()
+        self._vanished: set[str] = set()  # reported already
 
     def open(self) -> list[str]:
-        """Sweep the segments of daemons that are gone, then mark the dir as used by this one
-        (until :meth:`close` or death). Returns the names swept."""
-        fd = os.open(self.shm_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        try:
-            alone = _try_flock(fd, fcntl.LOCK_EX)
-            removed = sweep_stale_segments(self.shm_dir, everything=alone)
-            fcntl.flock(fd, fcntl.LOCK_SH)  # blocks only while another daemon sweeps
-        except BaseException:
-            os.close(fd)
-            raise
-        self._dir_fd = fd
-        return removed
+        """Sweep the segments of daemons that are gone. Returns the names swept."""
+        return sweep_stale_segments(self.shm_dir)
 
     def close(self) -> None:
-        """This daemon no longer uses the dir (its segments are gone)."""
+        """Stop making segments; every segment made is in someone's hands once this returns."""
         with self._lock:
             makers, self._makers = self._makers, None
         if makers is not None:
-            makers.shutdown(wait=True)  # every segment made is in someone's hands before we go
-        fd, self._dir_fd = self._dir_fd, None
-        if fd is not None:
-            os.close(fd)
+            makers.shutdown(wait=True)
+
+    def abandon(self) -> list[str]:
+        """Unlink every segment file of this instance and unmap none: what may still write into
+        them (a native read that cannot be stopped) may, until the process exits and its mappings
+        go with it. Returns the names unlinked."""
+        self.close()
+        with self._lock:
+            made = list(self._made.values())
+        for segment in made:
+            segment.unlink()
+        for path in self.leftovers():  # a segment still being made, not yet counted
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+        return sorted(s.name for s in made)
 
     def create(self, nbytes: int) -> Segment:
         """A new segment of at least ``nbytes``: whole huge pages where the dir has them (``pages.round``)."""
         with self._lock:
             self._counter += 1
             name = f"{self.prefix}{self._counter}"
-        return Segment(name, self.shm_dir / name, self.pages.round(nbytes), self.mode, self.pages)
+        segment = Segment(name, self.shm_dir / name, self.pages.round(nbytes), self.mode, self.pages)
+        with self._lock:
+            self._made[name] = segment
+        return segment
 
     def create_soon(self, nbytes: int) -> Future[Segment]:
         """:meth:`create` on one of ``CREATE_WORKERS`` threads; the future's result is the segment, or
@@ -264,6 +313,24 @@ class SegmentStore:
             if self._makers is None:
                 self._makers = ThreadPoolExecutor(CREATE_WORKERS, thread_name_prefix="segment-maker")
             return self._makers.submit(self.create, nbytes)
+
+    def vanished(self) -> list[str]:
+        """This instance's segments in use whose file someone else removed (or replaced): ranks
+        cannot map them, so every load handed one fails. Logged once each."""
+        with self._lock:
+            made = list(self._made.values())
+        gone = sorted(s.name for s in made if s.vanished())
+        with self._lock:
+            new = [name for name in gone if name not in self._vanished]
+            self._vanished.update(new)
+        if new:
+            log.error(
+                "%d of this daemon's shared-memory segments were removed from %s by another process (%s): "
+                "ranks cannot map them and loads handed them fail; restart the daemon, and give every daemon "
+                "a shm dir of its own or let only daemons of this version share it",
+                len(new), self.shm_dir, ", ".join(new[:4]) + (", ..." if len(new) > 4 else ""),
+            )  # fmt: skip
+        return gone
 
     def leftovers(self) -> list[Path]:
         """Segments of this instance still in the shm dir (tests assert none after a session)."""
@@ -280,28 +347,25 @@ def _try_flock(fd: int, operation: int) -> bool:
     return True
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def sweep_stale_segments(shm_dir: Path, *, everything: bool = False) -> list[str]:
-    """Remove segments of daemons that are gone; return their names. ``everything``: the caller
-    holds the dir's exclusive lock, so no daemon that made them is alive (see the module docstring);
-    otherwise only segments whose daemon's PID is gone from this PID namespace."""
+def sweep_stale_segments(shm_dir: Path) -> list[str]:
+    """Remove the segments in ``shm_dir`` whose daemon is gone (none holds its lock: the module
+    docstring); return their names. A segment this user cannot open is left alone."""
     removed = []
     for path in Path(shm_dir).glob(f"{SEGMENT_PREFIX}*"):
-        match = _NAME_RE.match(path.name)
-        if match is None or (not everything and _alive(int(match.group(1)))):
+        if _NAME_RE.match(path.name) is None:
             continue
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-            removed.append(path.name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue  # gone meanwhile, another user's, or not a file
+        try:
+            if not _try_flock(fd, fcntl.LOCK_EX):
+                continue  # its daemon lives
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # while locked: a daemon making this name waits, then makes it again
+                removed.append(path.name)
+        finally:
+            os.close(fd)
     if removed:
         log.info("removed %d shared-memory segments left by a dead daemon in %s", len(removed), shm_dir)
     return removed

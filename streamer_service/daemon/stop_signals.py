@@ -24,6 +24,10 @@ class StopSignals:
 
     def __init__(self) -> None:
         self.received: list[int] = []
+        # The daemon stopped while native reads may still write into its memory: the process ends
+        # with os._exit once its logs are flushed, never through the interpreter's teardown, which
+        # would wait for those reads (cli.main).
+        self.exit_at_once = False
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> StopSignals:
