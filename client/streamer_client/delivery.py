@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from . import copier
-from .dtypes import byte_view, tensor_over, torch_dtype
+from .dtypes import byte_view, tensor_over, torch_layout
 from .host_memory import anonymous, fault_in
 from .leases import Leases
 
@@ -75,7 +75,8 @@ def lend(leases: Leases, name: str, view: np.ndarray, dtype: str, shape: Sequenc
 
 
 def empty(dtype: str, shape: Sequence[int], device: torch.device) -> torch.Tensor:
-    return torch.empty(tuple(shape), dtype=torch_dtype(dtype), device=device)
+    torch_type, dims = torch_layout(dtype, shape)
+    return torch.empty(dims, dtype=torch_type, device=device)
 
 
 def copy_to_cpu(
@@ -238,7 +239,7 @@ class Staging:
         of these sources read and all of these tensors fenced. ``fault(i)`` is the error of item
         ``i`` whose source was cut short, raised by whichever call finishes its window.
         """
-        outs = [self._pinned.empty(torch_dtype(dtype), shape) for _, dtype, shape in items]
+        outs = [self._pinned.empty(*torch_layout(dtype, shape)) for _, dtype, shape in items]
         held = self._filling  # the window a held call left, if any: the first fill below queues it
         window: list[tuple[int, int, int, int]] = []  # (item, source address, nbytes, offset in the tensor)
         filled = 0
