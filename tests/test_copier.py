@@ -290,8 +290,8 @@ def test_a_hardware_memory_error_during_a_copy_is_not_a_file_cut_short(code):
     # A copying thread holds its guard while it writes pages the kernel holds (held_pages); a SIGBUS
     # with the si_code the kernel gives a corrupted page (BUS_MCEERR_*) arrives there: every other
     # thread blocks SIGBUS, and a process may send itself a signal with a kernel's si_code
-    # (pidfd_send_signal). It is not a file cut short: the process ends as it would without the
-    # guard (before: the copy was reported failed as if its file had shrunk, and the process went on).
+    # (pidfd_send_signal). It is not a file cut short: the copy is not reported failed, the process
+    # ends as it would without the guard.
     result = _child(f"""
         import signal
         signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGBUS}})  # every thread made from now on too

@@ -126,7 +126,8 @@ static void on_bus(int slot, int sig, siginfo_t *info, void *context) {
         return;
     }
     /* The default action: a faulting access runs again and the process dies of it as it would have
-     * (SIGBUS from a fault cannot be ignored either); anything else is raised again. */
+     * (SIGBUS from a fault cannot be ignored either); a hardware memory error (BUS_MCEERR_AO does
+     * not come back by itself) and a sent signal are raised again. */
     signal(SIGBUS, SIG_DFL);
     if (!fault || hardware) {
         raise(SIGBUS);
