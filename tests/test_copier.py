@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -200,3 +201,120 @@ def test_the_ranks_on_the_host_come_from_torchrun_or_the_daemon_session(local_wo
     code = f"import streamer_client.copier as c; c.share_host({shared}); print(c._ranks_on_host)"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert (out.returncode, out.stdout.strip()) == (0, str(ranks)), out.stderr
+
+
+# A file of three 64 KiB pieces, mapped, then cut to one: the copy of the whole mapping faults in
+# its second piece. MAPPED is the child's preamble; `path` is formatted in.
+MAPPED = """
+    import ctypes, faulthandler, mmap, os, signal, sys, numpy as np
+    from streamer_client import copier, delivery
+    from streamer_client.errors import ObjectChangedError
+    path = {path!r}
+    with open(path, "r+b") as f:
+        mapping = mmap.mmap(f.fileno(), 3 * 65536, prot=mmap.PROT_READ)
+    view = np.frombuffer(mapping, dtype=np.uint8)
+    dst = np.zeros(3 * 65536, dtype=np.uint8)
+
+    def cut_short(i):
+        return ObjectChangedError(f"tensor {{i}} was cut short", key=str(i))
+
+    def copy_to_cpu(nbytes):
+        try:
+            delivery.copy_to_cpu([(view[:65536], "U8", [65536]), (view[:nbytes], "U8", [nbytes])], cut_short)
+        except ObjectChangedError as exc:
+            return str(exc)
+"""
+
+
+def _mapped_child(tmp_path, code: str) -> subprocess.CompletedProcess:
+    path = tmp_path / "shard"
+    path.write_bytes(b"x" * 3 * 65536)
+    return _child(MAPPED.format(path=str(path)) + textwrap.dedent(code).replace("\n", "\n    "))
+
+
+def test_a_handler_installed_after_the_pool_does_not_cost_the_guard(tmp_path):
+    # faulthandler (pytest's, an engine's) takes SIGBUS over after the pool was made: the next batch
+    # puts the guard back over it, so a file cut short under a copy is the copy's error, not a crash.
+    result = _mapped_child(
+        tmp_path,
+        """
+        copier.pool()
+        faulthandler.enable()
+        os.truncate(path, 65536)
+        print(copier.copy([dst.ctypes.data], [view.ctypes.data], [view.nbytes]))
+        print(copy_to_cpu(3 * 65536))
+        faulthandler.disable()  # puts back the guard it replaced, which still knows what came before
+        print(copier.copy([dst.ctypes.data], [view.ctypes.data], [view.nbytes]))
+        signal.raise_signal(signal.SIGBUS)  # not a copy's: the process ends as it would without us
+        print("survived")
+        """,
+    )
+    assert result.returncode == -signal.SIGBUS, result.stderr
+    assert result.stdout.splitlines() == ["0", "tensor 1 was cut short", "0"]
+
+
+def test_a_fault_that_is_not_a_copy_s_reaches_a_handler_installed_after_the_pool(tmp_path):
+    result = _mapped_child(
+        tmp_path,
+        """
+        copier.pool()
+        faulthandler.enable()
+        print(copier.copy([dst.ctypes.data], [view.ctypes.data], [65536]))  # the guard goes back over it
+        os.truncate(path, 65536)
+        sys.stdout.flush()
+        print(int(view[-1]))  # read here, by no copy: faulthandler reports it, the process ends
+        """,
+    )
+    assert result.returncode == -signal.SIGBUS and result.stdout.splitlines() == ["-1"], result.stderr
+    assert "Fatal Python error: Bus error" in result.stderr
+
+
+def test_small_copies_from_a_file_cut_short_are_guarded_too(tmp_path):
+    # Under 256 KiB a batch is copied on the calling thread (no hand-off to the pool's threads),
+    # under the same guard, with or without the pool made.
+    result = _mapped_child(
+        tmp_path,
+        """
+        os.truncate(path, 65536)
+        print(copier.copy_here([dst.ctypes.data, dst.ctypes.data], [view.ctypes.data, view.ctypes.data + 65536], [65536, 4096]))
+        print(copy_to_cpu(65536 + 4096))
+        print(copy_to_cpu(65536))  # bytes still in the file: copied
+        """,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["1", "tensor 1 was cut short", "None"]
+
+
+@pytest.mark.parametrize("code", [4, 5], ids=["BUS_MCEERR_AR", "BUS_MCEERR_AO"])
+def test_a_hardware_memory_error_during_a_copy_is_not_a_file_cut_short(code):
+    # A copying thread holds its guard while it writes pages the kernel holds (held_pages); a SIGBUS
+    # with the si_code the kernel gives a corrupted page (BUS_MCEERR_*) arrives there: every other
+    # thread blocks SIGBUS, and a process may send itself a signal with a kernel's si_code
+    # (pidfd_send_signal). It is not a file cut short: the copy is not reported failed, the process
+    # ends as it would without the guard.
+    result = _child(f"""
+        import signal
+        signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGBUS}})  # every thread made from now on too
+        import ctypes, os, sys, numpy as np
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        from held_pages import HeldPages
+        from streamer_client import copier
+
+        src = np.ones(65536, dtype=np.uint8)
+        dst = HeldPages(src.nbytes)
+        pool = copier._copier.pool(1, copier.CHUNK_BYTES)  # its one thread unblocks SIGBUS
+        ticket = copier._copier.submit(pool, *(copier._words(v) for v in ([dst.array.ctypes.data], [src.ctypes.data], [src.nbytes])))
+        assert dst.wait_for_fault(30)
+        info = (ctypes.c_int * 32)()
+        info[0], info[2] = signal.SIGBUS, {code}  # si_signo, si_code
+        ctypes.cast(ctypes.byref(info, 16), ctypes.POINTER(ctypes.c_void_p))[0] = dst.array.ctypes.data  # si_addr
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.syscall.restype = ctypes.c_long
+        pidfd = os.pidfd_open(os.getpid())
+        sent = libc.syscall(ctypes.c_long(424), ctypes.c_long(pidfd), ctypes.c_long(signal.SIGBUS), info, ctypes.c_long(0))  # pidfd_send_signal
+        assert sent == 0, os.strerror(ctypes.get_errno())
+        dst.release()
+        print("copied", copier._copier.wait(pool, ticket, 30000))
+    """)
+    assert result.returncode == -signal.SIGBUS, (result.returncode, result.stdout, result.stderr)
+    assert "copied" not in result.stdout

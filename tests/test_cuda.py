@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 import warnings
 from pathlib import Path
 
@@ -98,6 +99,57 @@ def test_a_buffer_is_registered_once_and_unregistered_by_its_last_user():
     b.close()
     assert not fake.registered and not registry.entries
     assert a.pinned_bytes == b.pinned_bytes == 0
+
+
+class _SlowCudart(FakeCudart):
+    """Registers ``slow`` only once ``go`` is set (a large segment's registration, in the driver)."""
+
+    def __init__(self, slow: int, fail: dict[int, int] | None = None) -> None:
+        super().__init__(fail)
+        self.slow = slow
+        self.started = threading.Event()
+        self.go = threading.Event()
+
+    def host_register(self, address: int, nbytes: int, flags: int) -> int:
+        if address == self.slow:
+            self.started.set()
+            assert self.go.wait(30)
+        return super().host_register(address, nbytes, flags)
+
+
+def _in_thread(call) -> tuple[threading.Thread, list]:
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(call()), daemon=True)
+    thread.start()
+    return thread, result
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["registers", "fails"])
+def test_a_registration_in_flight_holds_up_no_lookup_and_is_shared_by_a_second_one(fails):
+    # Segment k is registered; k+1 is being registered on the worker thread while batch k's copies
+    # look k up (PinnedCopier.copy_pieces asks is_pinned) and another user of k+1 asks for it too.
+    k, k1 = 0x10000, 0x800000
+    fake, registry = _SlowCudart(slow=k1, fail={k1: 2} if fails else None), _Registry()
+    worker, copier, other = (HostPinner(fake, registry=registry) for _ in range(3))
+    assert copier.pin(k, 4 * MIB)
+    registering, registered = _in_thread(lambda: worker.pin(k1, 4 * MIB))
+    assert fake.started.wait(30)
+    looked_up, answers = _in_thread(lambda: (copier.is_pinned(k + MIB, MIB), other.pin(k, 4 * MIB), registry.ranges()))
+    looked_up.join(10)
+    assert answers == [(True, True, {k: 4 * MIB})]  # answered while k+1 is still being registered
+    second, shared = _in_thread(lambda: other.pin(k1, 4 * MIB))
+    second.join(0.2)
+    assert second.is_alive() and registering.is_alive()  # the second waits for the one in flight
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the failed registration's one warning
+        fake.go.set()
+        registering.join(10), second.join(10)
+    assert registered == shared == [not fails]
+    assert [c[1] for c in fake.calls if c[0] == "register"] == [k, k1]  # k+1 registered once, by the first
+    assert registry.covers(k1, 4 * MIB) is not fails
+    for pinner in (worker, copier, other):
+        pinner.close()
+    assert not registry.entries and not fake.registered
 
 
 def test_read_only_mappings_register_with_the_read_only_flag():

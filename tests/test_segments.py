@@ -25,7 +25,7 @@ from test_cuda import FakeCudart
 
 import streamer_client
 from streamer_client.daemon import DaemonClient, _Receiver
-from streamer_client.dtypes import torch_dtype
+from streamer_client.dtypes import torch_layout
 from streamer_client.pinning import HostPinner
 from streamer_client.segments import POPULATE_PIECE, SegmentMaps, segment_maps
 
@@ -231,7 +231,8 @@ class LateCopier:
         self._queue: deque[list] = deque()
 
     def copy(self, host: torch.Tensor, dtype: str, shape) -> torch.Tensor:
-        return host.clone().view(torch_dtype(dtype)).reshape(shape)
+        torch_type, dims = torch_layout(dtype, shape)
+        return host.clone().view(torch_type).reshape(dims)
 
     def fence(self) -> object:
         return object()

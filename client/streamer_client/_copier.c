@@ -11,16 +11,20 @@
  * interpreter is involved twice per batch.
  *
  * A source is a file mapping, and a file cut short under a mapping raises SIGBUS on the next
- * access past its new end. A worker copies each chunk under a guard: a SIGBUS on that thread
- * jumps back out of the copy, and the batch reports which of its copies failed (Python raises
- * ObjectChangedError naming the file and range) instead of the process dying. A SIGBUS on any
- * other thread goes to the handler installed before ours.
+ * access past its new end. Every copy (a worker's chunk, or copy_here's on the caller's thread)
+ * runs under a guard: a SIGBUS raised by that copy's access jumps back out of it, and the batch
+ * reports which of its copies failed (Python raises ObjectChangedError naming the file and range)
+ * instead of the process dying. Anything else goes where it would have gone without us: a SIGBUS
+ * on another thread, one sent by kill(), and a hardware memory error (BUS_MCEERR_*) go to the
+ * handler installed before ours, or end the process. A handler installed after ours is chained
+ * to: each batch installs ours again over it (ensure_guard).
  *
  * Interface (all addresses and sizes are Python ints; the arrays are bytes of native uint64):
  *   pool(threads, chunk_bytes) -> capsule
  *   submit(pool, dsts, srcs, sizes) -> ticket            queues one batch, returns at once
  *   wait(pool, ticket, timeout_ms) -> None | index       None: not done yet; -1: done; i >= 0:
  *                                                        done, copy i hit SIGBUS (its file shrank)
+ *   copy_here(dsts, srcs, sizes) -> index               the copies on the calling thread, guarded alike
  *   close(pool)                                          finishes every queued copy, joins threads
  *   map(fd, nbytes) -> address                           a read-only shared mapping of a file
  *   unmap(address, nbytes)
@@ -85,45 +89,92 @@ typedef struct {
  * of a dlopen()ed module otherwise goes through __tls_get_addr, which may allocate on a thread's
  * first access (not async-signal-safe). The workers touch it before their first copy. */
 static __thread sigjmp_buf *volatile guard __attribute__((tls_model("initial-exec")));
-static struct sigaction previous_bus;
-static pthread_once_t guard_once = PTHREAD_ONCE_INIT;
-static int guard_installed;
 
-static void on_bus(int sig, siginfo_t *info, void *context) {
+/* Another handler installed after ours (faulthandler.enable(), a runtime's crash reporter) replaces
+ * it: each batch checks that ours is in place and installs it again over the newcomer, which it
+ * then chains to. Each installation is its own entry point (INSTALLS of them), with the handler it
+ * replaced: a newcomer that later restores what it replaced (faulthandler.disable(), or faulthandler
+ * handling a fault that is not ours) puts back an older entry point, whose chain is still right.
+ * Once every entry point was used, ours is not installed again. */
+#define INSTALLS 16
+static struct sigaction previous_bus[INSTALLS];
+static int installs; /* entry points used */
+static pthread_mutex_t install_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void on_bus(int slot, int sig, siginfo_t *info, void *context) {
     /* Raised by an access (a mapped file cut short), not sent by kill() or raise(): only that one
-     * ends a copy, wherever the copying thread was. */
-    int fault = info != NULL && info->si_code > 0;
-    if (fault && guard != NULL) {
+     * ends a copy, wherever the copying thread was. A hardware memory error (BUS_MCEERR_AR: this
+     * access read a corrupted page; BUS_MCEERR_AO: one was found elsewhere) is not a file cut
+     * short: it goes where it would have gone without us. */
+    int code = info != NULL ? info->si_code : 0;
+    int fault = code > 0;
+    int hardware = code == BUS_MCEERR_AR || code == BUS_MCEERR_AO;
+    if (fault && !hardware && guard != NULL) {
         siglongjmp(*guard, 1);
     }
     /* Not one of our copies: what would have happened without us. */
-    if (previous_bus.sa_handler == SIG_IGN && !fault) {
+    const struct sigaction *previous = &previous_bus[slot];
+    if (previous->sa_handler == SIG_IGN && !fault) {
         return;
     }
-    if (previous_bus.sa_handler != SIG_IGN && previous_bus.sa_handler != SIG_DFL) {
-        if (previous_bus.sa_flags & SA_SIGINFO) {
-            previous_bus.sa_sigaction(sig, info, context);
+    if (previous->sa_handler != SIG_IGN && previous->sa_handler != SIG_DFL) {
+        if (previous->sa_flags & SA_SIGINFO) {
+            previous->sa_sigaction(sig, info, context);
         } else {
-            previous_bus.sa_handler(sig);
+            previous->sa_handler(sig);
         }
         return;
     }
     /* The default action: a faulting access runs again and the process dies of it as it would have
-     * (SIGBUS from a fault cannot be ignored either); a sent signal is raised again. */
+     * (SIGBUS from a fault cannot be ignored either); a hardware memory error (BUS_MCEERR_AO does
+     * not come back by itself) and a sent signal are raised again. */
     signal(SIGBUS, SIG_DFL);
-    if (!fault) {
+    if (!fault || hardware) {
         raise(SIGBUS);
     }
 }
 
-static void install_guard(void) {
-    struct sigaction action;
-    memset(&action, 0, sizeof action);
-    action.sa_sigaction = on_bus;
-    /* SA_NODEFER: the jump leaves the handler, so SIGBUS must not stay blocked on that thread. */
-    action.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
-    sigemptyset(&action.sa_mask);
-    guard_installed = sigaction(SIGBUS, &action, &previous_bus) == 0;
+#define ENTRY(k) \
+    static void on_bus_##k(int sig, siginfo_t *info, void *context) { on_bus(k, sig, info, context); }
+ENTRY(0) ENTRY(1) ENTRY(2) ENTRY(3) ENTRY(4) ENTRY(5) ENTRY(6) ENTRY(7)
+ENTRY(8) ENTRY(9) ENTRY(10) ENTRY(11) ENTRY(12) ENTRY(13) ENTRY(14) ENTRY(15)
+static void (*const entries[INSTALLS])(int, siginfo_t *, void *) = {
+    on_bus_0, on_bus_1, on_bus_2, on_bus_3, on_bus_4, on_bus_5, on_bus_6, on_bus_7,
+    on_bus_8, on_bus_9, on_bus_10, on_bus_11, on_bus_12, on_bus_13, on_bus_14, on_bus_15,
+};
+
+/* Ours is the process's SIGBUS handler when this returns 0 (installed again if another replaced
+ * it); -1 with errno set where sigaction failed. Called before every batch. */
+static int ensure_guard(void) {
+    int result = 0;
+    pthread_mutex_lock(&install_lock);
+    struct sigaction current;
+    if (sigaction(SIGBUS, NULL, &current) != 0) {
+        result = -1;
+    } else if (current.sa_flags & SA_SIGINFO) {
+        for (int i = 0; i < installs; i++) {
+            if (current.sa_sigaction == entries[i]) {
+                pthread_mutex_unlock(&install_lock);
+                return 0;
+            }
+        }
+    }
+    if (result == 0 && installs < INSTALLS) {
+        struct sigaction action;
+        memset(&action, 0, sizeof action);
+        action.sa_sigaction = entries[installs];
+        /* SA_NODEFER: the jump leaves the handler, so SIGBUS must not stay blocked on that thread. */
+        action.sa_flags = SA_SIGINFO | SA_NODEFER | SA_ONSTACK;
+        sigemptyset(&action.sa_mask);
+        previous_bus[installs] = current; /* before the entry point can run */
+        if (sigaction(SIGBUS, &action, NULL) != 0) {
+            result = -1;
+        } else {
+            installs++;
+        }
+    }
+    pthread_mutex_unlock(&install_lock);
+    return result;
 }
 
 /* 0, or 1 if the copy hit SIGBUS (part of it may have been written). */
@@ -316,8 +367,7 @@ static PyObject *py_pool(PyObject *self, PyObject *args) {
                      nthreads, chunk_bytes);
         return NULL;
     }
-    pthread_once(&guard_once, install_guard);
-    if (!guard_installed) {
+    if (ensure_guard() != 0) {
         PyErr_SetFromErrno(PyExc_OSError);
         return NULL;
     }
@@ -457,6 +507,10 @@ static int64_t submit_batch(pool_t *pool, PyObject *dsts_obj, PyObject *srcs_obj
         }
         chunks += more;
     }
+    if (ensure_guard() != 0) { /* another handler may have replaced ours since the last batch */
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
     int64_t ticket;
     int outcome;
     /* The workers take the lock for every chunk: waiting for it here must not hold up the
@@ -576,6 +630,51 @@ static PyObject *py_copy(PyObject *self, PyObject *args) {
     return PyLong_FromLongLong(failed);
 }
 
+/* copy_here(dsts, srcs, sizes): the copies run on the calling thread, under the same guard as the
+ * workers' (a batch too small to hand to the threads). -1, or the index of the first copy that hit
+ * SIGBUS (the copies after it are not made). */
+static PyObject *py_copy_here(PyObject *self, PyObject *args) {
+    PyObject *dsts_obj, *srcs_obj, *sizes_obj;
+    if (!PyArg_ParseTuple(args, "SSS", &dsts_obj, &srcs_obj, &sizes_obj)) {
+        return NULL;
+    }
+    const uint64_t *dsts, *srcs, *sizes;
+    Py_ssize_t n, n_srcs, n_sizes;
+    if (as_words(dsts_obj, &dsts, &n, "destinations") < 0 || as_words(srcs_obj, &srcs, &n_srcs, "sources") < 0 ||
+        as_words(sizes_obj, &sizes, &n_sizes, "sizes") < 0) {
+        return NULL;
+    }
+    if (n != n_srcs || n != n_sizes) {
+        PyErr_SetString(PyExc_ValueError, "copier: a batch needs one destination, source and size per copy");
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (sizes[i] > SIZE_MAX || dsts[i] > UINTPTR_MAX - sizes[i] || srcs[i] > UINTPTR_MAX - sizes[i]) {
+            PyErr_Format(PyExc_ValueError, "copier: copy %zd (%llu bytes) runs past the end of the address space", i,
+                         (unsigned long long)sizes[i]);
+            return NULL;
+        }
+    }
+    if (ensure_guard() != 0) {
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    Py_ssize_t failed = -1;
+    Py_BEGIN_ALLOW_THREADS
+    /* A fault must reach the guard: a blocked SIGBUS from a fault kills the process. */
+    sigset_t bus, before;
+    sigemptyset(&bus);
+    sigaddset(&bus, SIGBUS);
+    pthread_sigmask(SIG_UNBLOCK, &bus, &before);
+    for (Py_ssize_t i = 0; i < n && failed < 0; i++) {
+        if (guarded_copy((char *)(uintptr_t)dsts[i], (const char *)(uintptr_t)srcs[i], (size_t)sizes[i])) {
+            failed = i;
+        }
+    }
+    pthread_sigmask(SIG_SETMASK, &before, NULL);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromSsize_t(failed);
+}
+
 static PyObject *py_close(PyObject *self, PyObject *args) {
     PyObject *capsule;
     if (!PyArg_ParseTuple(args, "O", &capsule)) {
@@ -648,6 +747,8 @@ static PyMethodDef methods[] = {
     {"submit", py_submit, METH_VARARGS, "submit(pool, dsts, srcs, sizes): queue one batch; its ticket"},
     {"copy", py_copy, METH_VARARGS, "copy(pool, dsts, srcs, sizes): one batch, waited for: -1 or the index that hit SIGBUS"},
     {"wait", py_wait, METH_VARARGS, "wait(pool, ticket, timeout_ms): None, -1 (done) or a failed copy's index; timeout_ms < 0: until done"},
+    {"copy_here", py_copy_here, METH_VARARGS,
+     "copy_here(dsts, srcs, sizes): the copies on this thread, guarded: -1 or the index that hit SIGBUS"},
     {"close", py_close, METH_VARARGS, "close(pool): finish every queued copy and stop the threads"},
     {"map", py_map, METH_VARARGS, "map(fd, nbytes): the address of a read-only shared mapping of the file"},
     {"unmap", py_unmap, METH_VARARGS, "unmap(address, nbytes)"},

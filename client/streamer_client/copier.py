@@ -9,7 +9,11 @@ The interpreter is involved twice per batch: :func:`submit` queues every range (
 chunks of :data:`CHUNK_BYTES`) with one call, :func:`wait` waits for them with the GIL released.
 A source that is a file mapping and was cut short under it raises SIGBUS in a copying thread:
 the copier catches it, and :func:`wait` answers the index of the first copy that hit it (the
-caller names the file or segment and the range).
+caller names the file or segment and the range). :func:`copy_here` copies a small batch on the
+calling thread under the same guard. The guard survives a SIGBUS handler installed after the pool
+(``faulthandler.enable()``): each batch installs it again and chains to the newcomer. What is not
+a copy's fault (a SIGBUS sent by ``kill``, a hardware memory error) goes where it would have gone
+without the copier.
 
 Optional: the extension is built by ``pip install`` where a C compiler is present. Without it
 :func:`available` is false and callers copy another way (numpy, or Run:ai's reader).
@@ -33,7 +37,7 @@ except ImportError:  # built without a C compiler
     _copier = None
 
 __all__ = [
-    "CHUNK_BYTES", "COPY_THREADS", "advise_huge", "available", "copy", "map_file", "pool", "share_host", "submit", "threads_for", "unmap",
+    "CHUNK_BYTES", "COPY_THREADS", "advise_huge", "available", "copy", "copy_here", "map_file", "pool", "share_host", "submit", "threads_for", "unmap",
     "wait",
 ]  # fmt: skip
 
@@ -116,6 +120,12 @@ def copy(dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int]) -> int:
     """One batch of copies, done when this returns (a Ctrl-C meanwhile is raised after it): -1,
     or the index of the first copy that hit SIGBUS."""
     return _copier.copy(pool(), _words(dsts), _words(srcs), _words(sizes))
+
+
+def copy_here(dsts: Sequence[int], srcs: Sequence[int], sizes: Sequence[int]) -> int:
+    """One batch of copies on the calling thread (one too small to hand to the pool's threads),
+    under the same guard: -1, or the index of the first copy that hit SIGBUS."""
+    return _copier.copy_here(_words(dsts), _words(srcs), _words(sizes))
 
 
 def map_file(fd: int, nbytes: int) -> int:

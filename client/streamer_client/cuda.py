@@ -231,7 +231,8 @@ class PinnedCopier:
     # ------------------------------------------------------------------ copies
 
     def copy(self, host: torch.Tensor, dtype: torch.dtype | str, shape: Sequence[int]) -> torch.Tensor:
-        """A new tensor on the device holding ``host`` 's bytes as ``dtype``/``shape``.
+        """A new tensor on the device holding ``host`` 's bytes as ``dtype``/``shape`` (a torch
+        dtype and shape, or a safetensors dtype name and its header shape).
 
         ``host``: a contiguous 1-D uint8 CPU tensor over the bytes (e.g. ``torch.from_numpy``
         of a slice of a mapped buffer). The copy is queued on the copy stream and this returns at
@@ -240,9 +241,9 @@ class PinnedCopier:
         (:meth:`release_after`). The result is owned: nothing reuses its memory.
         """
         if isinstance(dtype, str):
-            from .dtypes import torch_dtype
+            from .dtypes import torch_layout
 
-            dtype = torch_dtype(dtype)
+            dtype, shape = torch_layout(dtype, shape)
         shape = tuple(int(d) for d in shape)
         _check_host(host, _nbytes(dtype, shape))
         out = self.empty(dtype, shape)

@@ -39,6 +39,7 @@ import torch
 from . import copier, delivery, errors, protocol
 from .connection import POLL_WAIT_S, DaemonClient
 from .devices import resolve_device
+from .dtypes import torch_dtypes
 from .errors import DaemonError, StreamerError
 from .leases import Leases
 from .progress import track
@@ -116,6 +117,7 @@ def _joined(client: DaemonClient, request: StreamRequest) -> Iterator[tuple[str,
         select=list(request.select) if request.select is not None else None,
         priority=list(request.priority) if request.priority else None, launch_id=request.launch_id,
         force=cfg.if_given("force_pull"), pins=device.type == "cuda" and not request.borrowed and cfg.pin_segments != "never",
+        dtypes=sorted(torch_dtypes()),
     )  # fmt: skip
     # Blocks until every rank joined; the daemon enforces the join timeout.
     reply = client.call(protocol.JOIN_PATH, body.to_wire(), read_timeout=None)

@@ -18,7 +18,9 @@ way a tensor is delivered in one of these ways, each written once here:
   page-locked.
 
 A source cut short under its mapping (a segment or file truncated while it is read) raises SIGBUS
-in a copying thread; the copier catches it and the caller's ``fault(i)`` names the tensor.
+in the thread copying it (one of the copier's, or the caller's for a batch under 256 KiB); the
+copier's guard catches it and the caller's ``fault(i)`` names the tensor. Without the native
+copier (no C compiler at install) nothing can catch it: such a SIGBUS ends the process.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import numpy as np
 import torch
 
 from . import copier
-from .dtypes import byte_view, tensor_over, torch_dtype
+from .dtypes import byte_view, tensor_over, torch_layout
 from .host_memory import anonymous, fault_in
 from .leases import Leases
 
@@ -58,7 +60,7 @@ _HUGE_MIN_BYTES = 4 * 1024 * 1024
 """Owned CPU tensors of this size or more are advised for transparent huge pages before they are
 written (numpy's threshold for the same advice): new memory is faulted in and zero-filled as it
 is first written, and a huge page takes one fault where 4 KiB pages take 512."""
-_NATIVE_MIN_BYTES = 256 * 1024  # below this a batch is copied by numpy: no thread hand-off
+_NATIVE_MIN_BYTES = 256 * 1024  # below this a batch is copied on the calling thread: no thread hand-off
 
 
 def over(view: np.ndarray, dtype: str, shape: Sequence[int]) -> torch.Tensor:
@@ -75,7 +77,8 @@ def lend(leases: Leases, name: str, view: np.ndarray, dtype: str, shape: Sequenc
 
 
 def empty(dtype: str, shape: Sequence[int], device: torch.device) -> torch.Tensor:
-    return torch.empty(tuple(shape), dtype=torch_dtype(dtype), device=device)
+    torch_type, dims = torch_layout(dtype, shape)
+    return torch.empty(dims, dtype=torch_type, device=device)
 
 
 def copy_to_cpu(
@@ -85,17 +88,23 @@ def copy_to_cpu(
     on the native copier's threads; ``fault(i)``: the error of item ``i`` whose source hit SIGBUS."""
     outs = [empty(dtype, shape, torch.device("cpu")) for _, dtype, shape in items]
     copies = [(byte_view(out), view) for out, (view, _, _) in zip(outs, items) if view.nbytes]
-    if copier.available() and sum(view.nbytes for _, view in copies) >= _NATIVE_MIN_BYTES:
+    if copier.available() and copies:
         index = [i for i, (view, _, _) in enumerate(items) if view.nbytes]
-        for dst, view in copies:
-            if view.nbytes >= _HUGE_MIN_BYTES:
-                copier.advise_huge(dst.data_ptr(), view.nbytes)  # before the copying threads first touch it
-        failed = copier.copy(
-            [dst.data_ptr() for dst, _ in copies], [view.ctypes.data for _, view in copies], [v.nbytes for _, v in copies]
+        dsts, srcs, sizes = (
+            [dst.data_ptr() for dst, _ in copies],
+            [view.ctypes.data for _, view in copies],
+            [v.nbytes for _, v in copies],
         )
+        if sum(sizes) >= _NATIVE_MIN_BYTES:
+            for dst, size in zip(dsts, sizes):
+                if size >= _HUGE_MIN_BYTES:
+                    copier.advise_huge(dst, size)  # before the copying threads first touch it
+            failed = copier.copy(dsts, srcs, sizes)
+        else:
+            failed = copier.copy_here(dsts, srcs, sizes)
         if failed >= 0:
             raise fault(index[failed])
-    else:
+    else:  # no native copier: nothing to guard a copy with
         for dst, view in copies:
             dst.numpy()[:] = view
     return outs
@@ -238,7 +247,7 @@ class Staging:
         of these sources read and all of these tensors fenced. ``fault(i)`` is the error of item
         ``i`` whose source was cut short, raised by whichever call finishes its window.
         """
-        outs = [self._pinned.empty(torch_dtype(dtype), shape) for _, dtype, shape in items]
+        outs = [self._pinned.empty(*torch_layout(dtype, shape)) for _, dtype, shape in items]
         held = self._filling  # the window a held call left, if any: the first fill below queues it
         window: list[tuple[int, int, int, int]] = []  # (item, source address, nbytes, offset in the tensor)
         filled = 0
@@ -323,7 +332,7 @@ class Staging:
         dsts, srcs, sizes = [base + o for o in offsets], [src for _, src, _, _ in window], [n for _, _, n, _ in window]
         if copier.available():
             ticket = copier.submit(dsts, srcs, sizes)
-        else:
+        else:  # no native copier: nothing to guard a copy with
             ticket = None
             for dst, src, n in zip(dsts, srcs, sizes):
                 _memmove(dst, src, n)

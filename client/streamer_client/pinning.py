@@ -111,13 +111,28 @@ class _Entry:
         self.ours = ours  # False: registered by someone else before us; never unregistered here
 
 
+class _Registration:
+    """A registration in flight: ``done`` once ``cudaHostRegister`` answered ``code``."""
+
+    __slots__ = ("done", "code")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.code = ERROR_NOT_REGISTERED  # until it answers (an exception from it leaves this)
+
+
 class _Registry:
-    """Process-wide page-locked ranges, by base address, reference-counted."""
+    """Process-wide page-locked ranges, by base address, reference-counted.
+
+    The lock is never held across ``cudaHostRegister`` (a large range takes a while): lookups of
+    registered ranges (:meth:`covers`, a copy's) go on while another range is being registered,
+    and a second registration of a range in flight waits for that one and takes its outcome."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.entries: dict[int, _Entry] = {}
         self.starts: list[int] = []  # sorted keys of entries, for containment lookups
+        self._registering: dict[int, _Registration] = {}  # by base address: registrations in flight
 
     def covers(self, address: int, nbytes: int) -> bool:
         """Whether ``[address, address + nbytes)`` lies inside one registered range."""
@@ -130,21 +145,37 @@ class _Registry:
 
     def acquire(self, cudart: Cudart, address: int, nbytes: int, flags: int) -> tuple[int, bool]:
         """Register (or take another reference); ``(error code, newly registered by us)``."""
-        with self.lock:
-            entry = self.entries.get(address)
-            if entry is not None:
-                if entry.nbytes < nbytes:
-                    return ERROR_ALREADY_REGISTERED, False  # a smaller range at this base: not ours to grow
-                entry.refs += 1
-                return 0, False
-            code = cudart.host_register(address, nbytes, flags)
-            if code == ERROR_ALREADY_REGISTERED:
-                # Registered outside this registry (user code, another library): page-locked already.
-                self._add(address, _Entry(nbytes, 1, ours=False))
-                return 0, False
-            if code == 0:
-                self._add(address, _Entry(nbytes, 1, ours=True))
-            return code, code == 0
+        while True:
+            with self.lock:
+                entry = self.entries.get(address)
+                if entry is not None:
+                    if entry.nbytes < nbytes:
+                        return ERROR_ALREADY_REGISTERED, False  # a smaller range at this base: not ours to grow
+                    entry.refs += 1
+                    return 0, False
+                in_flight = self._registering.get(address)
+                if in_flight is None:
+                    mine = self._registering[address] = _Registration()
+                    break
+            in_flight.done.wait()
+            if in_flight.code not in (0, ERROR_ALREADY_REGISTERED):
+                return in_flight.code, False  # it failed: so does this one
+            # It succeeded: take a reference (or, released since, register again).
+        try:
+            mine.code = cudart.host_register(address, nbytes, flags)
+        finally:
+            with self.lock:
+                if mine.code == ERROR_ALREADY_REGISTERED:
+                    # Registered outside this registry (user code, another library): page-locked already.
+                    self._add(address, _Entry(nbytes, 1, ours=False))
+                elif mine.code == 0:
+                    self._add(address, _Entry(nbytes, 1, ours=True))
+                del self._registering[address]
+            mine.done.set()
+        code = mine.code
+        if code == ERROR_ALREADY_REGISTERED:
+            return 0, False
+        return code, code == 0
 
     def release(self, cudart: Cudart, address: int) -> None:
         with self.lock:

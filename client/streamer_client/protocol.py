@@ -89,6 +89,10 @@ class JoinRequest(NamedTuple):
     # The rank may page-lock the segments it copies from (a CUDA rank): where several of a load's
     # ranks may, its ring is kept to a few recycled slots, each registered once (JoinReply.ring_slots).
     pins: bool = False
+    # The safetensors dtypes the rank's torch has (streamer_client.dtypes.torch_dtypes): a selection
+    # with a tensor of another is refused at the join, before it is read. None: a rank that does not
+    # say; the daemon assumes a torch with every dtype of the table.
+    dtypes: list[str] | None = None
 
     def to_wire(self) -> dict:
         return self._asdict()

@@ -23,6 +23,7 @@ import hmac
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable
+from typing import Annotated
 
 import anyio.to_thread
 from fastapi import FastAPI, Request
@@ -145,6 +146,7 @@ class JoinRequest(_Model):
     launch_id: str | None = Field(default=None, max_length=256)
     force: bool | None = None  # TRTLLM_OBJECT_STORAGE_FORCE_PULL of the rank; None: the daemon's
     pins: bool = Field(default=False, strict=True)  # the rank may page-lock segments (JoinReply.ring_slots)
+    dtypes: list[Annotated[str, Field(max_length=64)]] | None = Field(default=None, max_length=256)  # the rank's torch's
 
     @field_validator("select", "priority")
     @classmethod
@@ -292,6 +294,7 @@ def create_app(settings: Settings) -> FastAPI:
                 launch_id=body.launch_id,
                 force=body.force,
                 pins=body.pins,
+                dtypes=body.dtypes,
                 peer_pid=request.scope.get(PEER_PID),
             )
             session.on_joined(functools.partial(_wake, loop, others_joined))

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from streamer_client.dtypes import WITH_TORCH_DTYPE, check_loadable
 from streamer_client.errors import SessionError, StreamerError
 
 from ..access import AllowList, file_mode
@@ -222,16 +223,19 @@ class Daemon:
         launch_id: str | None,
         force: bool | None = None,
         pins: bool = False,
+        dtypes: Sequence[str] | None = None,
         peer_pid: int | None = None,
     ) -> Session:
         """Join ``rank`` to the group's session ``key``; ``pins``: the rank may page-lock the
-        segments it copies from; ``peer_pid``: the rank's process, where the unix socket tells it.
+        segments it copies from; ``dtypes``: the safetensors dtypes the rank's torch has (None:
+        every one of the table's with a torch dtype); ``peer_pid``: the rank's process, where the
+        unix socket tells it.
         Returns once the rank is in the session, without waiting for the others:
         ``Session.on_joined``, then ``Session.joined``."""
         self._refuse_if_stopping(key, rank, uri)
         self._told_of_refusal(key, rank)
         try:
-            parsed, checkpoint, chosen = self._admit(uri, rank, world_size, select, priority, launch_id, force)
+            parsed, checkpoint, chosen = self._admit(uri, rank, world_size, select, priority, launch_id, force, dtypes)
         except StreamerError as exc:
             self._refuse(key, rank, world_size, exc)
             raise
@@ -239,7 +243,7 @@ class Daemon:
         session.add(rank, world_size, chosen, priority, ProcessWatch.of(peer_pid), pins=pins)
         return session
 
-    def _admit(self, uri, rank, world_size, select, priority, launch_id, force):
+    def _admit(self, uri, rank, world_size, select, priority, launch_id, force, dtypes):
         """Everything a join can be refused for, checked before a session exists: a refused join
         must not leave an empty session behind."""
         parsed = self.check_allowed(uri)
@@ -251,7 +255,10 @@ class Daemon:
         check_credentials(parsed, self.settings)
         if not 0 <= rank < world_size:
             raise SessionError(f"rank {rank} is outside world_size {world_size}", uri=parsed.normalized)
-        return parsed, checkpoint, select_tensors(checkpoint.catalog.tensors, select, priority)
+        chosen = select_tensors(checkpoint.catalog.tensors, select, priority)
+        have = WITH_TORCH_DTYPE if dtypes is None else frozenset(dtypes)
+        check_loadable(chosen, uri=parsed.normalized, have=have, whose=f"rank {rank}'s torch")
+        return parsed, checkpoint, chosen
 
     @contextlib.contextmanager
     def _opening_lock(self, cache_key: str) -> Iterator[None]:

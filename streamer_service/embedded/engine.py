@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from streamer_client.dtypes import torch_dtype
-from streamer_client.errors import BorrowedTensorError, CheckpointError, ConfigError
+from streamer_client.dtypes import check_loadable
+from streamer_client.errors import BorrowedTensorError, ConfigError
 from streamer_client.request import target
 
 from ..checkpoint.catalog import Catalog
@@ -139,11 +139,7 @@ class EmbeddedEngine:
             raise ConfigError(f"plan has slots of {plan.slot_size} bytes but this engine's slot size is {self.config.slot_size}")
         if mmap.PAGESIZE % plan.align:
             raise ConfigError(f"plan alignment {plan.align} does not divide the page size {mmap.PAGESIZE}")
-        for tensor in plan.tensors:
-            try:
-                torch_dtype(tensor.dtype)
-            except TypeError as exc:
-                raise CheckpointError(f"tensor {tensor.name!r}: {exc}", key=tensor.name) from None
+        check_loadable(plan.tensors, uri=self.uri.normalized)
 
     def _run(self, plan: Plan, device: torch.device, borrowed: bool) -> Iterator[tuple[str, torch.Tensor]]:
         factory = self._reader_factory

@@ -73,7 +73,7 @@ import torch
 
 from streamer_client import delivery
 from streamer_client.cuda import PinnedCopier
-from streamer_client.dtypes import torch_dtype
+from streamer_client.dtypes import torch_layout
 
 from ..checkpoint.plan import Batch, BatchKind, Part, Placement, Plan, build_plan, in_parts
 from ..load.pipeline import Load, Pipeline, Versions
@@ -259,13 +259,13 @@ class _Stream:
                 continue
             if isinstance(placement, Part):
                 if placement.start == 0:
-                    self._partial = copier.empty(torch_dtype(info.dtype), info.shape)
+                    self._partial = copier.empty(*torch_layout(info.dtype, info.shape))
                 pieces.append((placement.buffer_offset, placement.nbytes, self._partial, placement.start))
                 if placement.last:  # the tensor is yielded with its last part
                     copies.append((info.name, self._partial))
                     self._partial = None
             else:
-                out = copier.empty(torch_dtype(info.dtype), info.shape)
+                out = copier.empty(*torch_layout(info.dtype, info.shape))
                 pieces.append((placement.buffer_offset, info.nbytes, out, 0))
                 copies.append((info.name, out))
         if pieces:
