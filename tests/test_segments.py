@@ -24,8 +24,10 @@ from smaps import resident_bytes
 from test_cuda import FakeCudart
 
 import streamer_client
+from streamer_client import delivery
 from streamer_client.daemon import DaemonClient, _Receiver
 from streamer_client.dtypes import torch_dtype
+from streamer_client.host_memory import anonymous
 from streamer_client.pinning import HostPinner
 from streamer_client.segments import POPULATE_PIECE, SegmentMaps, segment_maps
 
@@ -60,7 +62,7 @@ def test_a_segment_is_mapped_and_pinned_once_across_loads(shm_dir):
         load = maps.load(populate=False)
         load.prepare(["streamer-1-aa-1"], None)
         assert load.pinned("streamer-1-aa-1", None)
-        assert load.view("streamer-1-aa-1", 4096, 8192).tobytes() == data[4096:]
+        assert load.array("streamer-1-aa-1")[4096:].tobytes() == data[4096:]
         load.close()
     assert (maps.stats.mapped, maps.stats.reused, maps.stats.pinned) == (1, 2, 1)
     assert [c[0] for c in fake.calls] == ["register"]
@@ -91,7 +93,7 @@ def test_a_segments_pages_are_mapped_before_its_registration(shm_dir):
     assert resident_bytes(load.segment("streamer-1-aa-9").address) == 0  # mapped, nothing touched yet
     assert load.pinned("streamer-1-aa-9", None)
     assert fake.resident == [nbytes]
-    assert load.view("streamer-1-aa-9", 0, nbytes).tobytes() == data
+    assert load.array("streamer-1-aa-9").tobytes() == data
     load.close()
     maps.close()
 
@@ -103,12 +105,12 @@ def test_a_segment_replaced_under_its_name_is_never_mistaken_for_the_old_one(shm
     fake = FakeCudart()
     maps = _maps(shm_dir, fake)
     load = maps.load(populate=False)
-    assert load.view(path.name, 0, 8192).tobytes() == old and load.pinned(path.name, None)
+    assert load.array(path.name).tobytes() == old and load.pinned(path.name, None)
     load.close()
     path.unlink()
     _write(path, new)  # same name and size, another file
     load = maps.load(populate=False)
-    assert load.view(path.name, 0, 8192).tobytes() == new
+    assert load.array(path.name).tobytes() == new
     assert load.pinned(path.name, None)
     load.close()
     assert maps.stats.mapped == 2 and maps.stats.reused == 0
@@ -138,7 +140,7 @@ def test_the_janitor_unmaps_segments_the_daemon_unlinked_after_the_last_load(shm
     _write(path, os.urandom(4096))
     maps = _maps(shm_dir, FakeCudart(), sweep_s=0.05)
     load = maps.load(populate=True)
-    load.view(path.name, 0, 4096)
+    load.array(path.name)
     load.close()
     assert path.name in maps.mapped()  # kept for the next load while the file is there
     path.unlink()  # the daemon gave it back; this process loads nothing more
@@ -163,7 +165,7 @@ def test_a_dedicated_segment_is_dropped_after_its_load(shm_dir):
 def test_a_missing_segment_names_the_shared_dir(shm_dir):
     load = _maps(shm_dir, FakeCudart()).load(populate=False)
     with pytest.raises(streamer_client.errors.DaemonError, match="must share STREAMER_SHM_DIR"):
-        load.view("streamer-1-aa-9", 0, 1)
+        load.array("streamer-1-aa-9")
 
 
 def _loads_here(d: DaemonProcess, sample: Path, launches: tuple[str, ...], monkeypatch) -> Iterator[SegmentMaps]:
@@ -258,9 +260,12 @@ class LateCopier:
         self._queue.popleft()[1]()
         return True
 
-    def close(self) -> None:
+    def drain(self) -> None:
         while self._queue:
             self._queue.popleft()[1]()
+
+    def close(self) -> None:
+        self.drain()
 
 
 def test_a_release_known_after_the_next_request_still_reaches_the_daemon(sample, daemon):
@@ -282,3 +287,130 @@ def test_a_release_known_after_the_next_request_still_reaches_the_daemon(sample,
     assert all(torch.equal(got[n].view(-1).view(torch.uint8), t.view(-1).view(torch.uint8)) for n, t in truth.items())
     assert d.finished()[-1]["state"] == "done"
     client.close()
+
+
+class DeferredCopier:
+    """The copier's interface over CPU tensors whose bytes are copied only when their fence
+    completes (at the second poll after it, or when waited for), as a DMA reads host memory until
+    it completes. At each completion it asks ``holding()`` whether the daemon still counts the
+    rank as holding its batches (``completions``); ``fail_at``: the copy that fails."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, holding) -> None:
+        self._holding = holding
+        self._unfenced: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (host bytes, out, offset)
+        self._queue: deque[list] = deque()  # [polls seen, copies, callbacks]
+        self.completions: list[bool] = []
+        self.completed_by_drain = 0
+        self.copies = 0
+        self.fail_at: int | None = None
+
+    def empty(self, dtype: torch.dtype, shape) -> torch.Tensor:
+        return torch.empty(tuple(shape), dtype=dtype)
+
+    def copy(self, host: torch.Tensor, dtype: str, shape) -> torch.Tensor:
+        out = self.empty(torch_dtype(dtype), shape)
+        self.copy_pieces(host, [(0, host.numel(), out, 0)])
+        return out
+
+    def copy_pieces(self, host: torch.Tensor, pieces) -> None:
+        for at, nbytes, out, offset in pieces:
+            self.copies += 1
+            if self.copies == self.fail_at:
+                raise RuntimeError("the copy engine failed")
+            self._unfenced.append((host[at : at + nbytes], out, offset))
+
+    def fence(self) -> list:
+        copies, self._unfenced = self._unfenced, []
+        self._queue.append([0, copies, []])
+        return self._queue[-1]
+
+    def release_after(self, callback, fence=None) -> None:
+        (fence if fence is not None else self.fence())[2].append(callback)
+
+    def _complete(self) -> int:
+        _, copies, callbacks = self._queue.popleft()
+        for host, out, offset in copies:
+            out.reshape(-1).view(torch.uint8)[offset : offset + host.numel()].copy_(host)
+        self.completions.append(self._holding())
+        for callback in callbacks:
+            callback()
+        return len(callbacks)
+
+    def poll(self) -> int:
+        for item in self._queue:
+            item[0] += 1
+        ran = 0
+        while self._queue and self._queue[0][0] >= 2:
+            ran += self._complete()
+        return ran
+
+    @property
+    def pending(self) -> int:
+        return sum(len(item[2]) for item in self._queue)
+
+    def wait_one(self) -> bool:
+        while self._queue:
+            if self._complete():
+                return True
+        return False
+
+    def drain(self) -> None:
+        if self._unfenced:
+            self.fence()
+        while self._queue:
+            self._complete()
+            self.completed_by_drain += 1
+
+    def close(self) -> None:
+        self.drain()
+
+
+@pytest.fixture
+def small_staging_ring(monkeypatch):
+    """The process's staging ring as three 1 MiB buffers made here (registering them needs CUDA)."""
+    ring = delivery._StagingRing(3, 2**20)
+    ring._slots = [anonymous(2**20) for _ in range(3)]
+    monkeypatch.setattr(delivery, "_RING", ring)
+
+
+@pytest.mark.parametrize("path", ["page-locked", "staged"])
+@pytest.mark.parametrize("end", ["finished", "closed", "failed"])
+def test_a_device_load_drains_its_copies_before_it_leaves(sample, daemon, small_staging_ring, path, end):
+    """The receiver's device paths, without a GPU: every copy out of the rank's segments (and out
+    of the staging ring) completes while the daemon still counts the rank as holding its batches,
+    however the load ends: finished, closed after 5 tensors with copies in flight, or failed at its
+    20th copy. Once the rank has left, the daemon may write another load into those segments."""
+    d = daemon({"STREAMER_SLOT_SIZE": "1MiB"}, "--shm-budget", "4MiB")  # the ring must recycle
+    client = DaemonClient(d.socket)
+    joined = client.call("/v1/sessions/join", {"uri": str(sample), "session": "drain", "rank": 0, "world_size": 1})
+
+    def holding() -> bool:
+        sessions = {s["id"]: s for s in d.stats()["sessions"]}
+        return joined["session_id"] in sessions and sessions[joined["session_id"]]["ranks"]["0"]["status"] == "active"
+
+    segment_maps(d.shm_dir)._pinner = HostPinner(FakeCudart())
+    receiver = _Receiver(client, d.shm_dir, joined["session_id"], 0, torch.device("cpu"), False)
+    receiver._copier = copies = DeferredCopier(holding)
+    receiver._stage = path == "staged"
+    if end == "failed":
+        copies.fail_at = 20
+    truth = ground_truth(sample)
+    tensors = receiver.run()
+    got: dict[str, torch.Tensor] = {}
+    if end == "failed":
+        with pytest.raises(RuntimeError, match="the copy engine failed"):
+            got.update(tensors)
+    elif end == "closed":
+        got.update(next(tensors) for _ in range(5))
+        tensors.close()
+    else:
+        got.update(tensors)
+        assert got.keys() == truth.keys()
+    for name, tensor in got.items():
+        assert torch.equal(tensor.view(-1).view(torch.uint8), truth[name].view(-1).view(torch.uint8)), name
+    assert copies.completed_by_drain > 0  # the load ended with copies in flight
+    assert copies.completions and all(copies.completions), copies.completions
+    status = {"finished": "done", "closed": "left", "failed": "failed"}[end]
+    assert d.finished()[-1]["ranks"]["0"]["status"] == status
