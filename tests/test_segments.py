@@ -6,9 +6,14 @@ fake runtime of tests/test_cuda.py (the GPU tests run the real one: tests/test_c
 
 from __future__ import annotations
 
+import functools
+import json
 import os
 import re
+import subprocess
+import sys
 import tempfile
+import textwrap
 import threading
 import time
 from collections import deque
@@ -367,6 +372,12 @@ class DeferredCopier:
         self.drain()
 
 
+def _holds(d: DaemonProcess, session_id: str) -> bool:
+    """Whether the daemon counts rank 0 of ``session_id`` as holding its batches (active)."""
+    sessions = {s["id"]: s for s in d.stats()["sessions"]}
+    return session_id in sessions and sessions[session_id]["ranks"]["0"]["status"] == "active"
+
+
 @pytest.fixture
 def small_staging_ring(monkeypatch):
     """The process's staging ring as three 1 MiB buffers made here (registering them needs CUDA)."""
@@ -386,13 +397,9 @@ def test_a_device_load_drains_its_copies_before_it_leaves(sample, daemon, small_
     client = DaemonClient(d.socket)
     joined = client.call("/v1/sessions/join", {"uri": str(sample), "session": "drain", "rank": 0, "world_size": 1})
 
-    def holding() -> bool:
-        sessions = {s["id"]: s for s in d.stats()["sessions"]}
-        return joined["session_id"] in sessions and sessions[joined["session_id"]]["ranks"]["0"]["status"] == "active"
-
     segment_maps(d.shm_dir)._pinner = HostPinner(FakeCudart())
     receiver = _Receiver(client, d.shm_dir, joined["session_id"], 0, torch.device("cpu"), False)
-    receiver._copier = copies = DeferredCopier(holding)
+    receiver._copier = copies = DeferredCopier(functools.partial(_holds, d, joined["session_id"]))
     receiver._stage = path == "staged"
     if end == "failed":
         copies.fail_at = 20
@@ -414,3 +421,103 @@ def test_a_device_load_drains_its_copies_before_it_leaves(sample, daemon, small_
     assert copies.completions and all(copies.completions), copies.completions
     status = {"finished": "done", "closed": "left", "failed": "failed"}[end]
     assert d.finished()[-1]["ranks"]["0"]["status"] == status
+
+
+# A fresh rank process loads SOURCE (launch "warm"; "borrowed": borrowed views), every tensor
+# compared with safetensors; a StreamerError ends it with exit 3 and what it got before.
+WARM_RANK = textwrap.dedent(
+    """
+    import json, sys, torch, streamer_client
+    from safetensors.torch import load_file
+    uri, borrowed = sys.argv[1], sys.argv[2] == "borrowed"
+    index = json.load(open(uri + "/model.safetensors.index.json"))["weight_map"]
+    truth = {}
+    for shard in set(index.values()):
+        truth.update(load_file(uri + "/" + shard))
+    got, bad = [], []
+    try:
+        for name, t in streamer_client.stream(uri, borrowed=borrowed, launch_id="warm"):
+            if not torch.equal(t.reshape(-1).view(torch.uint8), truth[name].reshape(-1).view(torch.uint8)):
+                bad.append(name)
+            got.append(name)
+    except streamer_client.errors.StreamerError as exc:
+        print(json.dumps({"got": got, "bad": bad, "error": {"type": type(exc).__name__, "message": str(exc), "key": exc.key}}))
+        sys.exit(3)
+    print(json.dumps({"got": got, "bad": bad}))
+    """
+)
+
+PAST_THE_END = re.compile(
+    r"shared-memory segment (\S+): tensor '(.+)': bytes (\d+)-(\d+) are outside the segment's (\d+) bytes as this "
+    r"rank mapped it \(its file cut short or replaced, or a handle the daemon got wrong\); nothing of it was read"
+)
+
+
+def _resident_cut_in_half(sample: Path, daemon) -> tuple[DaemonProcess, dict[str, int]]:
+    """A daemon keeping ``sample`` resident after a first load, its segment files then cut to half
+    their size: a later load is handed handles past the end of the files a new process maps.
+    Returns the daemon and ``{segment: size now}``."""
+    d = daemon({"STREAMER_SLOT_SIZE": "4MiB"}, "--retention-budget", "64MiB")
+    cold = subprocess.run([sys.executable, "-c", WARM_RANK.replace('"warm"', '"cold"'), str(sample), "owned"],
+                          env=d.rank_env(), capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert cold.returncode == 0, cold.stderr[-3000:]
+    assert json.loads(cold.stdout)["bad"] == []
+    sizes = {}
+    for path in d.shm_dir.iterdir():
+        if path.name.startswith("streamer-"):
+            sizes[path.name] = path.stat().st_size // 2
+            os.truncate(path, sizes[path.name])
+    assert sizes
+    return d, sizes
+
+
+def _past_the_end(message: str, key: str | None, sizes: dict[str, int]) -> str:
+    """The tensor a ``DaemonError`` for a handle past the end of its segment names, checked."""
+    match = PAST_THE_END.fullmatch(message)
+    assert match, message
+    segment, name, start, end, size = match.groups()
+    assert key == name and int(size) == sizes[segment] and int(start) < int(end) and int(end) > int(size)
+    return name
+
+
+@pytest.mark.parametrize("mode", ["owned", "borrowed"])
+def test_a_handle_past_the_end_of_its_segment_is_refused_on_the_cpu_paths(sample, daemon, mode):
+    """A real rank process maps segment files cut short before it mapped them: the first handle
+    past the end is a DaemonError naming the tensor, the segment and the bounds; every tensor
+    delivered before it equals safetensors' (before: an owned tensor half uninitialised, an empty
+    or short borrowed view)."""
+    d, sizes = _resident_cut_in_half(sample, daemon)
+    warm = subprocess.run([sys.executable, "-c", WARM_RANK, str(sample), mode], env=d.rank_env(),
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert warm.returncode == 3, warm.stderr[-3000:]
+    result = json.loads(warm.stdout)
+    assert result["error"]["type"] == "DaemonError"
+    name = _past_the_end(result["error"]["message"], result["error"]["key"], sizes)
+    assert result["bad"] == [] and name not in result["got"]
+    session = d.finished()[-1]
+    assert session["ranks"]["0"]["status"] == "failed" and "DaemonError" in session["ranks"]["0"]["error"]
+
+
+@pytest.mark.parametrize("path", ["page-locked", "staged"])
+def test_a_handle_past_the_end_of_its_segment_is_refused_on_the_device_paths(sample, daemon, small_staging_ring, path):
+    """The receiver's device paths, without a GPU (the copier double above), on segment files cut
+    short before this process mapped them: DaemonError naming the tensor, segment and bounds
+    before any copy of it is queued (before: the staged path copied from an address past the
+    mapping); the copies queued before it complete before the rank leaves."""
+    d, sizes = _resident_cut_in_half(sample, daemon)
+    client = DaemonClient(d.socket)
+    joined = client.call("/v1/sessions/join", {"uri": str(sample), "session": "warm", "rank": 0, "world_size": 1})
+    segment_maps(d.shm_dir)._pinner = HostPinner(FakeCudart())
+    receiver = _Receiver(client, d.shm_dir, joined["session_id"], 0, torch.device("cpu"), False)
+    receiver._copier = copies = DeferredCopier(functools.partial(_holds, d, joined["session_id"]))
+    receiver._stage = path == "staged"
+    truth = ground_truth(sample)
+    got: dict[str, torch.Tensor] = {}
+    with pytest.raises(streamer_client.errors.DaemonError) as failed:
+        got.update(receiver.run())
+    name = _past_the_end(str(failed.value), failed.value.key, sizes)
+    assert name not in got
+    for tensor_name, tensor in got.items():
+        assert torch.equal(tensor.view(-1).view(torch.uint8), truth[tensor_name].view(-1).view(torch.uint8)), tensor_name
+    assert all(copies.completions)
+    assert d.finished()[-1]["ranks"]["0"]["status"] == "failed"
