@@ -34,6 +34,7 @@ from streamer_client.daemon import DaemonClient, _Receiver
 from streamer_client.dtypes import torch_dtype
 from streamer_client.host_memory import anonymous
 from streamer_client.pinning import HostPinner
+from streamer_client.protocol import Handle
 from streamer_client.segments import POPULATE_PIECE, SegmentMaps, segment_maps
 
 
@@ -521,3 +522,38 @@ def test_a_handle_past_the_end_of_its_segment_is_refused_on_the_device_paths(sam
         assert torch.equal(tensor.view(-1).view(torch.uint8), truth[tensor_name].view(-1).view(torch.uint8)), tensor_name
     assert all(copies.completions)
     assert d.finished()[-1]["ranks"]["0"]["status"] == "failed"
+
+
+@pytest.mark.parametrize("borrowed", [False, True], ids=["shared-mapping", "private-mapping"])
+@pytest.mark.parametrize(
+    ("offset", "nbytes", "dtype", "shape", "problem"),
+    [
+        (8192, 8192, "F32", (2048,), "bytes 8192-16384 are outside the segment's 12288 bytes as this rank mapped it"),
+        (16384, 4, "F32", (1,), "bytes 16384-16388 are outside the segment's 12288 bytes"),
+        (-4, 8, "F32", (2,), "bytes -4-4 are outside the segment's 12288 bytes"),
+        (0, 12, "F32", (4,), "12 bytes, but a F32 tensor of shape [4] takes 16"),
+        (0, 4, "F4", (3,), "4 bytes, but a F4 tensor of shape [3] is no whole number of bytes"),
+        (0, 0, "U8", (-1,), "0 bytes of shape [-1] is not a size"),
+    ],
+    ids=["ends-past-the-end", "starts-past-the-end", "negative-offset", "size-not-the-shape-s", "no-whole-bytes", "negative-dim"],
+)
+def test_a_handle_that_does_not_fit_its_segment_is_refused_before_a_byte_is_read(
+    shm_dir, borrowed, offset, nbytes, dtype, shape, problem
+):
+    """The one check every delivery path reads a handle's bytes through, on a real segment file of
+    12 KiB mapped by the receiver; a handle that fits gives exactly its bytes."""
+    data = os.urandom(3 * 4096)
+    _write(shm_dir / "streamer-1-aa-1", data)
+    segment_maps(shm_dir)._pinner = HostPinner(FakeCudart())
+    receiver = _Receiver(DaemonClient(shm_dir / "no.sock"), shm_dir, "s", 0, torch.device("cpu"), borrowed)
+    try:
+        fits = Handle(0, "streamer-1-aa-1", 4096, 8192, "w", "F32", (2048,), False)
+        assert receiver._source(fits).tobytes() == data[4096:]
+        with pytest.raises(streamer_client.errors.DaemonError) as refused:
+            receiver._source(Handle(0, "streamer-1-aa-1", offset, nbytes, "layers.0.w", dtype, shape, False))
+        assert str(refused.value).startswith(f"shared-memory segment streamer-1-aa-1: tensor 'layers.0.w': {problem}")
+        assert refused.value.key == "layers.0.w"
+        with pytest.raises(streamer_client.errors.DaemonError, match="tensor 'e': 16 bytes in no segment"):
+            receiver._source(Handle(0, None, 0, 16, "e", "F32", (4,), False))
+    finally:
+        receiver._segments.close()

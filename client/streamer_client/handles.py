@@ -27,10 +27,12 @@ def check(h: Handle, size: int) -> None:
     bytes). Otherwise ``DaemonError`` naming the tensor, the segment and the bounds."""
     problem = None
     spec = DTYPES.get(h.dtype)
+    takes = _nbytes(spec, h.shape) if spec is not None else h.nbytes  # a dtype not in the table: refused where it is made
     if h.nbytes < 0 or any(d < 0 for d in h.shape):
         problem = f"{h.nbytes} bytes of shape {list(h.shape)} is not a size"
-    elif spec is not None and _nbytes(spec, h.shape) != h.nbytes:
-        problem = f"{h.nbytes} bytes, but a {h.dtype} tensor of shape {list(h.shape)} takes {_nbytes(spec, h.shape)}"
+    elif takes != h.nbytes:
+        whole = f"takes {takes}" if takes is not None else "is no whole number of bytes"
+        problem = f"{h.nbytes} bytes, but a {h.dtype} tensor of shape {list(h.shape)} {whole}"
     elif h.segment is None and h.nbytes:
         problem = f"{h.nbytes} bytes in no segment"
     elif h.segment is not None and (h.offset < 0 or h.offset + h.nbytes > size):
