@@ -205,3 +205,52 @@ def test_a_staged_load_closed_midway_leaves_at_once_and_the_next_load_is_exact(b
     finally:
         d.stop()
     assert list(d.shm_dir.iterdir()) == []
+
+
+LEAVE_THEN_ANOTHER_LOAD = CHECK + textwrap.dedent(
+    """
+    import sys, streamer_client
+    from streamer_client.cuda import PinnedCopier
+    uri, other = sys.argv[1], sys.argv[2]
+    copy_pieces = PinnedCopier.copy_pieces
+
+    def late_copy_pieces(self, host, pieces):  # each batch's copies wait behind a spinning kernel (~0.5 s)
+        if not self._issued:
+            with torch.cuda.stream(self.stream):
+                torch.cuda._sleep(1_000_000_000)
+        return copy_pieces(self, host, pieces)
+
+    PinnedCopier.copy_pieces = late_copy_pieces
+    got = list(streamer_client.stream(uri, device="cuda:0", launch_id="first"))  # its last copies still queued
+    # At once another load, of other bytes, into the segments the first gave back (the last first).
+    sevens = streamer_client.load_state_dict(other, launch_id="second")
+    torch.cuda.synchronize()
+    n, bad = check(uri, iter(got), "cuda:0")
+    print(json.dumps({"n": n, "bad": bad, "sevens": all(bool((t == 7).all()) for t in sevens.values())}))
+    """
+)
+
+
+def test_a_page_locked_rank_leaves_only_once_its_copies_landed(big_checkpoint, tmp_path):
+    """A rank page-locks its segments (``STREAMER_PIN_SEGMENTS=always``) and its copies run late
+    (a kernel spins before each batch's on the copy stream); the moment its iteration ends, the
+    same process loads another checkpoint (every float 7.0) through the daemon, which writes it
+    into the segments the first load gave back. The first load's tensors, checked after both,
+    equal safetensors': the rank said leave only once its copies had read the segments."""
+    from safetensors.torch import save_file
+
+    other = tmp_path / "sevens"
+    other.mkdir()
+    save_file({f"w{i}": torch.full((2048, 4096), 7.0) for i in range(8)}, str(other / "model.safetensors"))
+    d = DaemonProcess(tmp_path, {"STREAMER_SEGMENT_IDLE_S": "30"}, "--shm-budget", "1GiB").start()
+    try:
+        p = subprocess.run([sys.executable, "-c", LEAVE_THEN_ANOTHER_LOAD, str(big_checkpoint), str(other)],
+                           env=d.rank_env(STREAMER_PIN_SEGMENTS="always"), capture_output=True, text=True, timeout=600)  # fmt: skip
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert json.loads(p.stdout.strip().splitlines()[-1]) == {"n": 49, "bad": [], "sevens": True}
+        first, second = d.finished(2)[-2:]
+        assert first["ranks"]["0"]["status"] == "done" and second["state"] == "done"
+        assert d.stats()["segments_reused"] > 0  # the second load wrote into segments the first gave back
+    finally:
+        d.stop()
+    assert list(d.shm_dir.iterdir()) == []

@@ -201,6 +201,66 @@ def test_a_rank_that_cannot_map_its_segments_is_failed_not_delivered(sample, tmp
     assert list(d.shm_dir.iterdir()) == []
 
 
+# Rank 1 of 2: joins, then gives its iterator up before asking for a tensor (HOW), and stays
+# alive until stdin closes (the daemon must not learn it from the process's end).
+UNSTARTED = textwrap.dedent(
+    """
+    import gc, sys, streamer_client
+    uri, how = sys.argv[1], sys.argv[2]
+
+    def load():
+        it = streamer_client.stream(uri, rank=1, world_size=2, progress=how.endswith("-tracked"))
+        if how.startswith("close"):
+            it.close()
+        elif how == "drop":
+            del it
+        elif how == "cycle":  # only the cycle collector frees it
+            holder = [it]
+            holder.append(holder)
+            del it, holder
+            gc.collect()
+        elif how == "raise":  # the caller fails between stream() and the first next()
+            raise RuntimeError("the engine refused its config")
+
+    try:
+        load()
+    except RuntimeError:
+        pass
+    print("abandoned", flush=True)
+    sys.stdin.read()
+    """
+)
+
+
+@pytest.mark.parametrize("how", ["close", "close-tracked", "drop", "cycle", "raise"])
+def test_a_rank_that_gives_up_its_iterator_unstarted_leaves_at_once(sample, daemon, how):
+    """Rank 1 joins, then closes, drops or loses its iterator (a cycle the collector frees, an
+    exception of its caller) before its first item, and lives on; rank 0 shares a ring of 3 slots
+    with it, so it finishes only once rank 1's batches go back: at once, not after the 60 s rank
+    timeout. Every tensor of rank 0 equals safetensors'."""
+    d = daemon({"STREAMER_SLOT_SIZE": "1MiB", "STREAMER_RANK_TIMEOUT_S": "60", "STREAMER_PROGRESS": "on"}, "--shm-budget", "3MiB")
+    names = [t.name for t in _catalog(sample).tensors]
+    survivor = d.start_rank(str(sample), 0, 2, sample, None)
+    quitter = subprocess.Popen(
+        [sys.executable, "-c", UNSTARTED, str(sample), how],
+        env=d.rank_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert quitter.stdout.readline() == "abandoned\n", quitter.stderr.read()[-3000:]
+        abandoned = time.monotonic()  # both joined: rank 0 is loading now
+        result = finish(survivor, timeout=120)
+        took = time.monotonic() - abandoned
+        assert result["bad"] == [] and result["got"] == names
+        assert took < 10, f"rank 0 finished {took:.1f} s after rank 1 gave its iterator up"
+        session = d.finished()[-1]
+        assert session["state"] == "done" and session["ranks"]["1"]["status"] == "left", session
+        assert quitter.poll() is None  # alive all along: it left, it was not found gone
+    finally:
+        quitter.stdin.close()
+        quitter.wait(timeout=60)
+    assert wait_until(lambda: not list(d.shm_dir.iterdir()), 10, "an empty shm dir")
+
+
 def test_a_checkpoint_of_zero_tensors_loads_through_the_daemon(tmp_path, daemon):
     """0 tensors, as in-process, not 'unknown or finished session'."""
     from safetensors.torch import save_file

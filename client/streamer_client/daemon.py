@@ -21,6 +21,12 @@ How a batch's bytes become tensors (``delivery``, shared with the embedded engin
   huge-page ones, or a ring the daemon keeps to the slots it recycles, ``JoinReply.ring_slots``):
   each segment is page-locked once per process (on a worker thread, ahead of its copies) and
   copied from directly; the batch is released once its copies completed.
+
+Every handle is checked against the segment as this rank mapped it before a byte is read
+(:func:`handles.check`). A load ends, however it ends (finished, closed, dropped before its first item,
+failed), in one order (:meth:`_Receiver._end`): the copies out of the segments drained, then
+``leave`` (from then on the daemon may write other bytes into them), then the segments unmapped,
+then the connection closed.
 """
 
 from __future__ import annotations
@@ -30,22 +36,22 @@ import functools
 import logging
 import mmap
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from . import copier, delivery, errors, protocol
+from . import copier, delivery, errors, handles, protocol
 from .connection import POLL_WAIT_S, DaemonClient
 from .devices import resolve_device
 from .dtypes import torch_dtypes
-from .errors import DaemonError, StreamerError
+from .errors import StreamerError
 from .leases import Leases
 from .progress import track
 from .protocol import Handle, JoinReply, NextReply
 from .request import StreamRequest
-from .segments import map_segment, segment_maps
+from .segments import PrivateSegments, segment_maps
 from .settings import Settings
 
 __all__ = ["DaemonClient", "daemon_stream"]  # DaemonClient: re-exported from .connection
@@ -53,31 +59,9 @@ __all__ = ["DaemonClient", "daemon_stream"]  # DaemonClient: re-exported from .c
 log = logging.getLogger(__name__)
 
 
-class _PrivateSegments:
-    """Borrowed views: each segment mapped copy-on-write for this load only (see map_segment)."""
-
-    def __init__(self, shm_dir: Path) -> None:
-        self.shm_dir = shm_dir
-        self._maps: dict[str, tuple[mmap.mmap, np.ndarray]] = {}
-
-    def view(self, name: str, offset: int, nbytes: int) -> np.ndarray:
-        if name not in self._maps:
-            mapping, _ = map_segment(self.shm_dir / name, private=True)
-            self._maps[name] = (mapping, np.frombuffer(mapping, dtype=np.uint8))
-        return self._maps[name][1][offset : offset + nbytes]
-
-    def drop(self, name: str) -> None:
-        entry = self._maps.pop(name, None)
-        if entry is not None:
-            with contextlib.suppress(BufferError):  # a borrowed view still holds it: it goes with the view
-                entry[0].close()
-
-    def close(self) -> None:
-        for name in list(self._maps):
-            self.drop(name)
-
-
 def _empty(h: Handle, device: torch.device) -> torch.Tensor:
+    """The tensor of a handle of no segment (checked: it has no bytes)."""
+    handles.check(h, 0)
     return delivery.empty(h.dtype, h.shape, device)
 
 
@@ -101,7 +85,7 @@ def _staged(
 def daemon_stream(client: DaemonClient, request: StreamRequest) -> Iterator[tuple[str, torch.Tensor]]:
     """Join (eagerly: selection errors raise here) and return the iterator over the tensors.
     ``request.launch_id`` is resolved already. The load owns ``client``: closed when the iterator
-    ends (or when the join fails)."""
+    ends, is closed or is dropped (or when the join fails)."""
     try:
         return _joined(client, request)
     except BaseException:
@@ -122,24 +106,65 @@ def _joined(client: DaemonClient, request: StreamRequest) -> Iterator[tuple[str,
     # Blocks until every rank joined; the daemon enforces the join timeout.
     reply = client.call(protocol.JOIN_PATH, body.to_wire(), read_timeout=None)
     joined = JoinReply.from_wire(reply)
-    shm_dir = cfg.if_given("shm_dir") or Path(joined.shm_dir)
-    copier.share_host(request.world_size)  # the session's ranks share this node's CPUs
-    tensors = _Receiver(
-        client,
-        shm_dir,
-        joined.session_id,
-        request.rank,
-        device,
-        request.borrowed,
-        pin_segments=cfg.pin_segments,
-        nbytes=joined.bytes,
-        huge_pages=joined.shm_page_size > mmap.PAGESIZE,
-        from_memory=joined.from_memory,
-        recycled=joined.ring_slots > 0,
-    ).run()
+    try:
+        shm_dir = cfg.if_given("shm_dir") or Path(joined.shm_dir)
+        copier.share_host(request.world_size)  # the session's ranks share this node's CPUs
+        receiver = _Receiver(
+            client,
+            shm_dir,
+            joined.session_id,
+            request.rank,
+            device,
+            request.borrowed,
+            pin_segments=cfg.pin_segments,
+            nbytes=joined.bytes,
+            huge_pages=joined.shm_page_size > mmap.PAGESIZE,
+            from_memory=joined.from_memory,
+            recycled=joined.ring_slots > 0,
+        )
+    except BaseException as exc:
+        # Joined, and nothing to read with: leave now, or the other ranks wait for this one.
+        _leave(client, protocol.rank_path(joined.session_id, request.rank, "leave"), exc)
+        raise
+    tensors = _Tensors(receiver)
     if request.progress == "off":
         return tensors
     return track(tensors, total=joined.bytes, desc=f"rank {request.rank}", mode=request.progress)
+
+
+class _Tensors(Iterator[tuple[str, torch.Tensor]]):
+    """The iterator a daemon load returns. The rank joined already and leaves however the load
+    ends: when the iteration ends or fails, when it is closed, and when it is closed, dropped or
+    garbage-collected before its first item (a generator's ``finally`` runs only once it
+    started: left to it, a rank that never asked for an item would hold the other ranks of its
+    session until the daemon's rank timeout)."""
+
+    def __init__(self, receiver: _Receiver) -> None:
+        self._tensors = receiver.run()
+        self._unstarted = weakref.finalize(self, receiver.abandon_unstarted)
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        return next(self._tensors)
+
+    def close(self) -> None:
+        """Stop the load now: the rank leaves the session, whether it asked for an item or not."""
+        self._tensors.close()
+        self._unstarted()
+
+
+def _leave(client: DaemonClient, path: str, error: BaseException | None) -> None:
+    """Tell the daemon this rank is done with its session: finished (``error`` None; a failure
+    to say so raises), abandoned (``GeneratorExit``: closed, dropped; ``BorrowedTensorError``: a
+    view kept against its lifetime) or failed with ``error``, which the daemon records (the rank
+    counts as failed, not delivered). Then, ``error`` is what the caller raises: the leave's own
+    failure is not."""
+    if error is None:
+        client.call(path, protocol.LeaveRequest().to_wire())
+        return
+    abandoned = isinstance(error, (GeneratorExit, errors.BorrowedTensorError))
+    body = protocol.LeaveRequest(None if abandoned else protocol.clipped(f"{type(error).__name__}: {error}"))
+    with contextlib.suppress(StreamerError):
+        client.call(path, body.to_wire())
 
 
 class _Receiver:
@@ -159,9 +184,11 @@ class _Receiver:
         self._in_hand: weakref.ref | None = None
         self._copier = None
         self._staging: delivery.Staging | None = None
+        self._started = False  # run() began: its own finally ends the load
+        self._ended = False
         staged = False
         if borrowed:
-            self._segments = _PrivateSegments(shm_dir)
+            self._segments = PrivateSegments(shm_dir)
         else:
             # Owned copies map each segment once per process and keep it across loads (segments.py).
             maps = segment_maps(shm_dir)
@@ -169,13 +196,19 @@ class _Receiver:
             # Populated for copies by numpy on this thread; the copier's threads fault the pages
             # in themselves, in parallel, and a registration does too (map_segment).
             self._segments = maps.load(populate=device.type != "cuda" and not copier.available())
-        if device.type == "cuda":
-            from .cuda import PinnedCopier
+        try:
+            if device.type == "cuda":
+                from .cuda import PinnedCopier
 
-            self._copier = PinnedCopier(device)
+                self._copier = PinnedCopier(device)
+        except BaseException:
+            self._segments.close()
+            raise
         self._stage = staged  # the staging ring is taken when the load starts (run)
 
     def run(self) -> Iterator[tuple[str, torch.Tensor]]:
+        self._started = True
+        error: BaseException | None = None
         try:
             if self._copier is not None:
                 delivery.reserve(self._device, [self._nbytes])
@@ -199,7 +232,7 @@ class _Receiver:
                 reply = NextReply.from_wire(self._client.call(self._next, protocol.NextRequest(release, wait_s).to_wire()))
                 done = reply.done
                 # A reply holds whole batches, in order.
-                batches = list(_by_batch(reply.handles))
+                batches = list(handles.by_batch(reply.handles))
                 if not batches and holding:
                     yield from self._finish_held()
                     continue
@@ -215,37 +248,55 @@ class _Receiver:
                 else:
                     for batch in batches:
                         yield from self._delivered(batch)
-            self._client.call(self._leave, protocol.LeaveRequest().to_wire())
-        except (GeneratorExit, errors.BorrowedTensorError):
-            # Abandoned (the caller closed the iterator, or kept a borrowed view against its
-            # lifetime): hand everything back now rather than holding segments until the daemon
-            # reclaims this rank as silent.
-            self._stop_staging()
-            with contextlib.suppress(StreamerError):
-                self._client.call(self._leave, protocol.LeaveRequest().to_wire())
-            raise
         except BaseException as exc:
-            # Failed here (a segment it could not map, a copy that failed): the daemon counts this
-            # rank as failed, not as delivered.
-            self._stop_staging()
-            with contextlib.suppress(StreamerError):
-                self._client.call(self._leave, protocol.LeaveRequest(protocol.clipped(f"{type(exc).__name__}: {exc}")).to_wire())
+            # Closed (GeneratorExit), a borrowed view kept against its lifetime, or failed here (a
+            # segment it could not map, a handle outside its segment, a copy that failed).
+            error = exc
             raise
         finally:
+            self._end(error)
+
+    def abandon_unstarted(self) -> None:
+        """The load's iterator was closed, dropped or collected before its first item: end the
+        load now, as abandoned (nothing was copied)."""
+        if not self._started:
+            self._started = True  # run() never starts after this
+            self._end(GeneratorExit())
+
+    def _end(self, error: BaseException | None) -> None:
+        """End the load (``error``: why, where it did not finish; see :func:`_leave`): everything
+        given back in the order it was taken, each once the work that uses it is done. First the
+        copies out of this rank's segments: a window of the staging ring still being filled (its
+        tensors were never handed out) and every device copy, which reads a page-locked segment
+        until it completes; then ``leave``, which hands this rank's batches back to the daemon, and
+        the daemon may write another load's bytes into them at once (the segment idled last is
+        the first one taken); then the segments unmapped (and unpinned), then the connection
+        closed."""
+        if self._ended:
+            return
+        self._ended = True
+        try:
             try:
-                if self._staging is not None:
-                    self._staging.close()  # waits for the copies out of the ring, gives it back
+                self._drain()
+            except BaseException as exc:
+                error = error if error is not None else exc
+                raise
             finally:
+                _leave(self._client, self._leave, error)
+        finally:
+            try:
                 if self._copier is not None:
-                    self._copier.close()  # waits for copies in flight, unpins the segments
+                    self._copier.close()  # drained already; unpins what it pinned
+            finally:
                 self._segments.close()
                 self._client.close()
 
-    def _stop_staging(self) -> None:
-        """A load that ends early: a window still being filled reads this rank's segments, so it is
-        waited for before the daemon hears that the rank left."""
+    def _drain(self) -> None:
+        """Wait for every copy out of this rank's segments, and give the staging ring back."""
         if self._staging is not None:
-            self._staging.abandon()  # the held batch's tensors were never handed out
+            self._staging.close()  # the window being filled, then every copy out of the ring
+        if self._copier is not None:
+            self._copier.drain()
 
     def _delivered(self, batch: list[Handle]) -> Iterator[tuple[str, torch.Tensor]]:
         if self._copier is not None:
@@ -259,7 +310,7 @@ class _Receiver:
             if h.segment is None:
                 tensor = _empty(h, self._device)
             else:
-                view = self._segments.view(h.segment, h.offset, h.nbytes)
+                view = self._source(h)
                 tensor, self._in_hand = delivery.lend(self._leases, h.name, view, h.dtype, h.shape)
             yield h.name, tensor
             del tensor
@@ -267,11 +318,8 @@ class _Receiver:
 
     def _copied(self, batch: list[Handle]) -> Iterator[tuple[str, torch.Tensor]]:
         """The whole batch copied at once on the copier's threads, released, then yielded."""
-        items = [
-            (self._segments.view(h.segment, h.offset, h.nbytes) if h.segment is not None else _NO_BYTES, h.dtype, h.shape)
-            for h in batch
-        ]
-        tensors = delivery.copy_to_cpu(items, functools.partial(_cut_short, batch))
+        items = [(self._source(h), h.dtype, h.shape) for h in batch]
+        tensors = delivery.copy_to_cpu(items, functools.partial(handles.cut_short, batch))
         items.clear()
         yield from self._hand_out(batch, tensors)
 
@@ -282,9 +330,9 @@ class _Receiver:
         none; once its bytes are copied out). Releases go with the next request anyway."""
         for k, batch in enumerate(batches):
             with_bytes = [h for h in batch if h.segment is not None]
-            items = [(self._segments.segment(h.segment).address + h.offset, h.dtype, h.shape) for h in with_bytes]
+            items = [(self._source(h).ctypes.data, h.dtype, h.shape) for h in with_bytes]
             hold = k + 1 < len(batches) or not last
-            for done, outs in self._staging.copy_batch(batch, items, functools.partial(_cut_short, with_bytes), hold=hold):
+            for done, outs in self._staging.copy_batch(batch, items, functools.partial(handles.cut_short, with_bytes), hold=hold):
                 yield from self._hand_out(done, self._with_empties(done, outs))
 
     def _finish_held(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -315,7 +363,7 @@ class _Receiver:
             if h.segment is None:
                 tensors.append(_empty(h, self._device))
                 continue
-            view = self._segments.view(h.segment, h.offset, h.nbytes)
+            view = self._source(h)
             tensors.append(delivery.to_device(copier, view, h.dtype, h.shape))
         fence = copier.fence()
         if head.segment is not None:
@@ -326,6 +374,16 @@ class _Receiver:
         for h, tensor in zip(batch, tensors):
             yield h.name, tensor
         tensors.clear()
+
+    def _source(self, h: Handle) -> np.ndarray:
+        """The bytes of ``h`` in its segment as this rank mapped it, checked first (:func:`handles.check`):
+        every way a handle's bytes are read starts here. A handle of no segment has none."""
+        if h.segment is None:
+            handles.check(h, 0)
+            return _NO_BYTES
+        segment = self._segments.array(h.segment)
+        handles.check(h, segment.nbytes)
+        return segment[h.offset : h.offset + h.nbytes]
 
     def _released(self, batch: int) -> None:
         self._release.append(batch)  # sent with the next request
@@ -351,23 +409,3 @@ def _handed(batch: list[Handle], tensors: list[torch.Tensor]) -> Iterator[tuple[
         tensor = tensors.pop()
         yield h.name, tensor
         del tensor
-
-
-def _cut_short(batch: list[Handle], i: int) -> DaemonError:
-    h = batch[i]
-    return DaemonError(
-        f"shared-memory segment {h.segment}: tensor {h.name!r} (bytes {h.offset}-{h.offset + h.nbytes}) was cut short "
-        "while this rank read it: the segment file was truncated or replaced",
-        key=h.name,
-    )
-
-
-def _by_batch(handles: Iterable[Handle]) -> Iterator[list[Handle]]:
-    group: list[Handle] = []
-    for h in handles:
-        if group and h.batch != group[-1].batch:
-            yield group
-            group = []
-        group.append(h)
-    if group:
-        yield group

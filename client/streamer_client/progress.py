@@ -89,20 +89,31 @@ def bar(*, total: int | None, desc: str, mode: str, unit: str = "B") -> Any:
 def track(
     tensors: Iterator[tuple[str, torch.Tensor]], *, total: int | None, desc: str, mode: str
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """``tensors`` unchanged, counting their bytes on a bar (created now, so errors come eagerly)."""
-    progress = bar(total=total, desc=desc, mode=mode)
-    return _counted(tensors, progress)
+    """``tensors`` unchanged, counting their bytes on a bar (created now, so errors come eagerly).
+    Closing it closes ``tensors`` too, started or not, and dropping it drops them."""
+    return _Counted(tensors, bar(total=total, desc=desc, mode=mode))
 
 
-def _counted(tensors, progress) -> Iterator:
-    try:
-        for item in tensors:
-            progress.update(item[1].numel() * item[1].element_size())
-            yield item
-            # Hold no reference across the next step: a borrowed view must be free to be recycled.
-            del item
-    finally:
-        progress.close()
-        close = getattr(tensors, "close", None)
+class _Counted(Iterator):
+    """``tensors`` counted on ``progress``; the bar closes when the iteration ends or fails, or
+    at :meth:`close`, which closes ``tensors`` too (an abandoned daemon load leaves its session
+    then, not at garbage collection). An iterator object, not a generator: a generator's ``close``
+    before its first item would not reach ``tensors``."""
+
+    def __init__(self, tensors: Iterator, progress: Any) -> None:
+        self._tensors, self._progress = tensors, progress
+
+    def __next__(self) -> tuple[str, torch.Tensor]:
+        try:
+            name, tensor = next(self._tensors)
+        except BaseException:
+            self._progress.close()
+            raise
+        self._progress.update(tensor.numel() * tensor.element_size())
+        return name, tensor  # nothing held here: a borrowed view must be free to be recycled
+
+    def close(self) -> None:
+        self._progress.close()
+        close = getattr(self._tensors, "close", None)
         if close is not None:
-            close()  # an abandoned iteration leaves its daemon session now, not at garbage collection
+            close()

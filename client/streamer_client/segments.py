@@ -48,7 +48,7 @@ from .counters import Counters
 from .errors import DaemonError
 
 __all__ = [
-    "POPULATE_PIECE", "Load", "MappedSegment", "SegmentMaps", "map_segment", "map_shared", "populate_pages",
+    "POPULATE_PIECE", "Load", "MappedSegment", "PrivateSegments", "SegmentMaps", "map_segment", "map_shared", "populate_pages",
     "populate_shares", "populates_piecewise", "segment_maps",
 ]  # fmt: skip
 
@@ -358,8 +358,9 @@ class Load:
             entry = self._used[name] = self.maps._use(name, self.populate)
         return entry
 
-    def view(self, name: str, offset: int, nbytes: int) -> np.ndarray:
-        return self.segment(name).array[offset : offset + nbytes]
+    def array(self, name: str) -> np.ndarray:
+        """Segment ``name`` as mapped here, whole (mapped now if this load had not yet)."""
+        return self.segment(name).array
 
     def prepare(self, names: list[str], device) -> None:
         """Map ``names`` and ask for their registration, in this order (the order of their copies)."""
@@ -378,6 +379,31 @@ class Load:
     def close(self) -> None:
         used, self._used = list(self._used.values()), {}
         self.maps._done(used)
+
+
+class PrivateSegments:
+    """Borrowed views: each segment mapped copy-on-write for this load only (see map_segment)."""
+
+    def __init__(self, shm_dir: Path) -> None:
+        self.shm_dir = shm_dir
+        self._maps: dict[str, tuple[mmap.mmap, np.ndarray]] = {}
+
+    def array(self, name: str) -> np.ndarray:
+        """Segment ``name`` as mapped here, whole."""
+        if name not in self._maps:
+            mapping, _ = map_segment(self.shm_dir / name, private=True)
+            self._maps[name] = (mapping, np.frombuffer(mapping, dtype=np.uint8))
+        return self._maps[name][1]
+
+    def drop(self, name: str) -> None:
+        entry = self._maps.pop(name, None)
+        if entry is not None:
+            with contextlib.suppress(BufferError):  # a borrowed view still holds it: it goes with the view
+                entry[0].close()
+
+    def close(self) -> None:
+        for name in list(self._maps):
+            self.drop(name)
 
 
 _ALL: dict[Path, SegmentMaps] = {}
