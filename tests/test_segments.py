@@ -31,7 +31,7 @@ from test_cuda import FakeCudart
 import streamer_client
 from streamer_client import delivery
 from streamer_client.daemon import DaemonClient, _Receiver
-from streamer_client.dtypes import torch_dtype, torch_layout
+from streamer_client.dtypes import torch_layout
 from streamer_client.host_memory import anonymous
 from streamer_client.pinning import HostPinner
 from streamer_client.protocol import Handle
@@ -317,7 +317,7 @@ class DeferredCopier:
         return torch.empty(tuple(shape), dtype=dtype)
 
     def copy(self, host: torch.Tensor, dtype: str, shape) -> torch.Tensor:
-        out = self.empty(torch_dtype(dtype), shape)
+        out = self.empty(*torch_layout(dtype, shape))
         self.copy_pieces(host, [(0, host.numel(), out, 0)])
         return out
 
