@@ -17,13 +17,16 @@ import httpx
 
 # RANK_STALL_AFTER=n: after n tensors the rank says "stalled" on stderr and hangs (a test kills it);
 # RANK_SLOW_S=s: it sleeps s seconds after each tensor (a slow consumer); RANK_AWAIT_GO=1: once
-# imported it says "ready" on stderr and waits for a line on stdin before it loads.
+# imported it says "ready" on stderr and waits for a line on stdin before it loads;
+# RANK_PAUSE_AFTER=n: after n tensors it says "paused" on stderr and waits for a line on stdin;
+# RANK_BORROWED=1: it streams with borrowed=True.
 RANK_SCRIPT = textwrap.dedent(
     """
     import json, os, sys, time, torch, streamer_client
     from safetensors import safe_open
     uri, rank, world, truth_dir, select = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5])
     stall_after, slow_s = int(os.environ.get("RANK_STALL_AFTER", "-1")), float(os.environ.get("RANK_SLOW_S", "0"))
+    pause_after, borrowed = int(os.environ.get("RANK_PAUSE_AFTER", "-1")), bool(os.environ.get("RANK_BORROWED"))
     index = json.load(open(truth_dir + "/model.safetensors.index.json"))["weight_map"]
     if os.environ.get("RANK_AWAIT_GO"):
         print("ready", flush=True, file=sys.stderr)
@@ -31,10 +34,13 @@ RANK_SCRIPT = textwrap.dedent(
     files = {}
     got, bad = [], []
     try:
-        for name, t in streamer_client.stream(uri, select=select, rank=rank, world_size=world):
+        for name, t in streamer_client.stream(uri, select=select, rank=rank, world_size=world, borrowed=borrowed):
             if len(got) == stall_after:
                 print("stalled", flush=True, file=sys.stderr)
                 time.sleep(3600)
+            if len(got) == pause_after:
+                print("paused", flush=True, file=sys.stderr)
+                sys.stdin.readline()
             time.sleep(slow_s)
             shard = index[name]
             if shard not in files:

@@ -21,6 +21,12 @@ How a batch's bytes become tensors (``delivery``, shared with the embedded engin
   huge-page ones, or a ring the daemon keeps to the slots it recycles, ``JoinReply.ring_slots``):
   each segment is page-locked once per process (on a worker thread, ahead of its copies) and
   copied from directly; the batch is released once its copies completed.
+
+Every path checks the generation of each segment it read (``fence``) after its bytes are copied
+and before its tensors are yielded: a segment the daemon gave new bytes while this rank held it
+raises ``SessionError`` naming the tensor (a borrowed view: ``BorrowedTensorError``, checked before
+it is lent and when its batch is finished). Page-locked copies are yielded before they land, so
+their check runs once they completed: at the latest before the iterator ends and before ``leave``.
 """
 
 from __future__ import annotations
@@ -39,7 +45,8 @@ import torch
 from . import copier, delivery, errors, protocol
 from .connection import POLL_WAIT_S, DaemonClient
 from .devices import resolve_device
-from .errors import DaemonError, StreamerError
+from .errors import BorrowedTensorError, ConfigError, DaemonError, StreamerError
+from .fence import Fence
 from .leases import Leases
 from .progress import track
 from .protocol import Handle, JoinReply, NextReply
@@ -116,11 +123,21 @@ def _joined(client: DaemonClient, request: StreamRequest) -> Iterator[tuple[str,
         select=list(request.select) if request.select is not None else None,
         priority=list(request.priority) if request.priority else None, launch_id=request.launch_id,
         force=cfg.if_given("force_pull"), pins=device.type == "cuda" and not request.borrowed and cfg.pin_segments != "never",
+        fence=True,
     )  # fmt: skip
     # Blocks until every rank joined; the daemon enforces the join timeout.
-    reply = client.call(protocol.JOIN_PATH, body.to_wire(), read_timeout=None)
+    try:
+        reply = client.call(protocol.JOIN_PATH, body.to_wire(), read_timeout=None)
+    except ConfigError as exc:
+        if "body.fence: Extra inputs" not in exc.message:
+            raise
+        raise _unfenced(client) from None  # a daemon from before the fence refused the field
     joined = JoinReply.from_wire(reply)
     shm_dir = cfg.if_given("shm_dir") or Path(joined.shm_dir)
+    if joined.generations is None:
+        with contextlib.suppress(StreamerError):
+            client.call(protocol.rank_path(joined.session_id, request.rank, "leave"), protocol.LeaveRequest().to_wire())
+        raise _unfenced(client)
     copier.share_host(request.world_size)  # the session's ranks share this node's CPUs
     tensors = _Receiver(
         client,
@@ -134,6 +151,7 @@ def _joined(client: DaemonClient, request: StreamRequest) -> Iterator[tuple[str,
         huge_pages=joined.shm_page_size > mmap.PAGESIZE,
         from_memory=joined.from_memory,
         recycled=joined.ring_slots > 0,
+        fence=Fence(shm_dir / joined.generations, joined.session_id),
     ).run()
     if request.progress == "off":
         return tensors
@@ -144,9 +162,11 @@ class _Receiver:
     def __init__(
         self, client: DaemonClient, shm_dir: Path, session_id: str, rank: int, device: torch.device, borrowed: bool,
         *, pin_segments: str = "always", nbytes: int = 0, huge_pages: bool = False, from_memory: bool = False,
-        recycled: bool = False,
+        recycled: bool = False, fence: Fence,
     ) -> None:  # fmt: skip
         self._client = client
+        self._fence = fence
+        self._torn: StreamerError | None = None  # a page-locked batch's check failed once its copies completed
         self._next = protocol.rank_path(session_id, rank, "next")
         self._leave = protocol.rank_path(session_id, rank, "leave")
         self._device = device
@@ -189,12 +209,15 @@ class _Receiver:
                 pending = False
                 if self._copier is not None:
                     self._copier.poll()
+                    self._raise_if_torn()
                     # Staged batches are released once staged: pending copies hold no batch.
                     pending = self._staging is None and self._copier.pending > 0
                 holding = self._staging is not None and self._staging.holding
                 release, self._release[:] = list(self._release), []  # one list: callbacks append to it
                 wait_s = 0.0 if pending or holding else POLL_WAIT_S
-                reply = NextReply.from_wire(self._client.call(self._next, protocol.NextRequest(release, wait_s).to_wire()))
+                reply = NextReply.from_wire(
+                    self._client.call(self._next, protocol.NextRequest(release, wait_s, fence=True).to_wire())
+                )
                 done = reply.done
                 # A reply holds whole batches, in order.
                 batches = list(_by_batch(reply.handles))
@@ -203,6 +226,7 @@ class _Receiver:
                     continue
                 if not batches and pending:
                     self._copier.wait_one()
+                    self._raise_if_torn()
                     continue
                 if self._copier is not None and self._staging is None:
                     # Page-lock this reply's segments on the worker thread, in copy order: the next
@@ -213,6 +237,9 @@ class _Receiver:
                 else:
                     for batch in batches:
                         yield from self._delivered(batch)
+            if self._copier is not None:
+                self._copier.drain()  # every page-locked batch checked before the iterator ends
+                self._raise_if_torn()
             self._client.call(self._leave, protocol.LeaveRequest().to_wire())
         except (GeneratorExit, errors.BorrowedTensorError):
             # Abandoned (the caller closed the iterator, or kept a borrowed view against its
@@ -237,6 +264,7 @@ class _Receiver:
                 if self._copier is not None:
                     self._copier.close()  # waits for copies in flight, unpins the segments
                 self._segments.close()
+                self._fence.close()
                 self._client.close()
 
     def _stop_staging(self) -> None:
@@ -253,6 +281,7 @@ class _Receiver:
         return self._copied(batch)
 
     def _lent(self, batch: list[Handle]) -> Iterator[tuple[str, torch.Tensor]]:
+        self._fence.check(batch, BorrowedTensorError)
         for h in batch:
             if h.segment is None:
                 tensor = _empty(h, self._device)
@@ -271,6 +300,7 @@ class _Receiver:
         ]
         tensors = delivery.copy_to_cpu(items, functools.partial(_cut_short, batch))
         items.clear()
+        self._fence.check(batch)
         yield from self._hand_out(batch, tensors)
 
     def _staged(self, batches: list[list[Handle]], *, last: bool) -> Iterator[tuple[str, torch.Tensor]]:
@@ -283,11 +313,13 @@ class _Receiver:
             items = [(self._segments.segment(h.segment).address + h.offset, h.dtype, h.shape) for h in with_bytes]
             hold = k + 1 < len(batches) or not last
             for done, outs in self._staging.copy_batch(batch, items, functools.partial(_cut_short, with_bytes), hold=hold):
+                self._fence.check(done)  # its bytes are out of the segment
                 yield from self._hand_out(done, self._with_empties(done, outs))
 
     def _finish_held(self) -> Iterator[tuple[str, torch.Tensor]]:
         """No batch came to follow the held one: finish its window, hand it out."""
         for done, outs in self._staging.flush_batch():
+            self._fence.check(done)
             yield from self._hand_out(done, self._with_empties(done, outs))
 
     def _with_empties(self, batch: list[Handle], staged: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -320,13 +352,19 @@ class _Receiver:
             # A dedicated segment stays mapped and pinned too: the daemon keeps it idle for a reload
             # of the same checkpoint, and the segment cache unmaps it once the daemon unlinks it.
             # Bound to the method, not to a list: this runs after later requests were sent.
-            copier.release_after(functools.partial(self._released, head.batch), fence)
+            copier.release_after(functools.partial(self._released, batch), fence)
         for h, tensor in zip(batch, tensors):
             yield h.name, tensor
         tensors.clear()
 
-    def _released(self, batch: int) -> None:
-        self._release.append(batch)  # sent with the next request
+    def _released(self, batch: list[Handle]) -> None:
+        """A page-locked batch's copies completed: checked, and released with the next request."""
+        self._torn = self._torn or self._fence.torn(batch)
+        self._release.append(batch[0].batch)
+
+    def _raise_if_torn(self) -> None:
+        if self._torn is not None:
+            raise self._torn
 
     def _finish(self, h: Handle) -> None:
         """Every tensor of ``h.batch`` for this rank was handed out: release it (borrowed: check views)."""
@@ -334,6 +372,7 @@ class _Receiver:
             return
         if self._borrowed:
             self._leases.end(self._in_hand)
+            self._fence.check([h], BorrowedTensorError)  # the views lent were valid to the end
         self._release.append(h.batch)
         if h.dedicated:
             self._segments.drop(h.segment)
@@ -357,6 +396,13 @@ def _cut_short(batch: list[Handle], i: int) -> DaemonError:
         f"shared-memory segment {h.segment}: tensor {h.name!r} (bytes {h.offset}-{h.offset + h.nbytes}) was cut short "
         "while this rank read it: the segment file was truncated or replaced",
         key=h.name,
+    )
+
+
+def _unfenced(client: DaemonClient) -> DaemonError:
+    return DaemonError(
+        f"streamer daemon at {client.socket} does not fence its segments (no segment generations): it is "
+        'older than this client; upgrade the daemon before the clients (docs/client.md, "Upgrades")'
     )
 
 

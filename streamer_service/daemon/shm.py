@@ -45,6 +45,7 @@ import numpy as np
 from streamer_client.errors import ConfigError
 from streamer_client.segments import POPULATE_PIECE, map_shared, populate_shares, populates_piecewise
 
+from .generations import TABLE_SUFFIX, Generations
 from .pages import Pages, detect_pages
 
 __all__ = ["SEGMENT_PREFIX", "Reservation", "Segment", "SegmentStore", "ShmBudget", "sweep_stale_segments"]
@@ -52,7 +53,8 @@ __all__ = ["SEGMENT_PREFIX", "Reservation", "Segment", "SegmentStore", "ShmBudge
 log = logging.getLogger(__name__)
 
 SEGMENT_PREFIX = "streamer-"
-_NAME_RE = re.compile(r"^streamer-(\d+)-[0-9a-f]+-\d+$")
+# A segment, or a daemon's generations table (.generations).
+_NAME_RE = re.compile(r"^streamer-(\d+)-[0-9a-f]+(?:-\d+|\.generations)$")
 
 
 # Threads that make segments ahead of need (``SegmentStore.create_soon``). posix_fallocate zero-fills
@@ -76,9 +78,12 @@ FILL_THREADS = CREATE_WORKERS
 class Segment:
     """One mapped segment file. ``address`` is where Run:ai may write ``nbytes``."""
 
-    __slots__ = ("name", "path", "nbytes", "_mmap", "array", "address")
+    __slots__ = ("name", "path", "nbytes", "_mmap", "array", "address", "_generations", "entry", "generation")
 
-    def __init__(self, name: str, path: Path, nbytes: int, mode: int = 0o600, pages: Pages | None = None) -> None:
+    def __init__(
+        self, name: str, path: Path, nbytes: int, mode: int = 0o600, pages: Pages | None = None,
+        generations: Generations | None = None,
+    ) -> None:  # fmt: skip
         self.name = name
         self.path = path
         self.nbytes = nbytes
@@ -93,11 +98,30 @@ class Segment:
             os.close(fd)
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)
         self.address = self.array.ctypes.data
+        # Its entry in the daemon's generations table (-1: none), and the generation its bytes are of.
+        self._generations = generations
+        self.generation = 0
+        try:
+            self.entry = generations.take() if generations is not None else -1
+        except BaseException:
+            self._generations = None
+            self.close()
+            raise
+
+    def bump(self) -> int:
+        """A new generation, before new bytes are written into the segment: a rank still holding
+        a handle of the old one raises once it checks (:mod:`.generations`)."""
+        if self._generations is not None:
+            self.generation = self._generations.bump(self.entry)
+        return self.generation
 
     def close(self) -> None:
         """Unlink and unmap. Ranks that still map the file keep their pages until they unmap."""
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
+        generations, self._generations = self._generations, None
+        if generations is not None:
+            generations.give(self.entry)
         self.array = None
         with contextlib.suppress(BufferError):  # a view still exported: the map goes with it
             self._mmap.close()
@@ -219,6 +243,8 @@ class SegmentStore:
             raise ConfigError(f"shared-memory dir {self.shm_dir} does not exist (STREAMER_SHM_DIR / --shm-dir)")
         self.prefix = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-"
         self.pages = detect_pages(self.shm_dir)
+        # Not a segment's name: leftovers() lists segments only.
+        self.generations = Generations(self.shm_dir, f"{self.prefix[:-1]}{TABLE_SUFFIX}", mode)
         self._counter = 0
         self._lock = threading.Lock()
         self._dir_fd: int | None = None
@@ -244,6 +270,7 @@ class SegmentStore:
             makers, self._makers = self._makers, None
         if makers is not None:
             makers.shutdown(wait=True)  # every segment made is in someone's hands before we go
+        self.generations.close()
         fd, self._dir_fd = self._dir_fd, None
         if fd is not None:
             os.close(fd)
@@ -253,7 +280,7 @@ class SegmentStore:
         with self._lock:
             self._counter += 1
             name = f"{self.prefix}{self._counter}"
-        return Segment(name, self.shm_dir / name, self.pages.round(nbytes), self.mode, self.pages)
+        return Segment(name, self.shm_dir / name, self.pages.round(nbytes), self.mode, self.pages, self.generations)
 
     def create_soon(self, nbytes: int) -> Future[Segment]:
         """:meth:`create` on one of ``CREATE_WORKERS`` threads; the future's result is the segment, or
