@@ -15,6 +15,7 @@ import threading
 import time
 
 import pytest
+import torch
 from daemon_harness import finish_failed, wait_until
 
 from streamer_client import protocol
@@ -195,3 +196,31 @@ def test_handles_in_the_old_form_still_parse():
     fenced = Handle(3, "streamer-1-ab-2", 64, 12, "w", "BF16", (2, 3), False, 7, 42)
     assert Handle.from_wire(json.loads(json.dumps(fenced.to_wire()))) == fenced
     assert fenced.to_wire(fenced=False) == old
+
+
+def test_a_page_locked_batch_whose_segment_changed_before_its_copies_landed_raises_before_the_iterator_ends(sample, daemon):
+    """The page-locked path yields tensors before their copies complete; the check runs at their
+    completion (LateCopier: the device path's interface over CPU clones, completing at the second
+    poll), and raises before the iterator ends and before the rank leaves."""
+    from test_cuda import FakeCudart
+    from test_segments import LateCopier
+
+    from streamer_client.daemon import _Receiver
+    from streamer_client.pinning import HostPinner
+    from streamer_client.segments import segment_maps
+
+    d = daemon({"STREAMER_SLOT_SIZE": "1MiB"}, "--shm-budget", "4MiB")
+    client = DaemonClient(d.socket)
+    joined = client.call(protocol.JOIN_PATH, {"uri": str(sample), "session": "pinned", "rank": 0, "world_size": 1, "fence": True})
+    segment_maps(d.shm_dir)._pinner = HostPinner(FakeCudart())
+    fence = Fence(d.shm_dir / joined["generations"], joined["session_id"])
+    receiver = _Receiver(client, d.shm_dir, joined["session_id"], 0, torch.device("cpu"), False, fence=fence)
+    receiver._copier = LateCopier()
+    tensors = receiver.run()
+    first, _ = next(tensors)  # yielded, its batch's copies not landed yet
+    _bump_every_entry(d.shm_dir / joined["generations"])
+    got = [first]
+    with pytest.raises(SessionError, match=rf"session {joined['session_id']}: tensor '[^']+' was not handed out") as raised:
+        got += [name for name, _ in tensors]
+    assert raised.value.key == first  # the first batch's first tensor: checked once its copies landed
+    assert d.finished()[-1]["state"] == "failed"
