@@ -18,13 +18,15 @@ import httpx
 # RANK_STALL_AFTER=n: after n tensors the rank says "stalled" on stderr and hangs (a test kills it);
 # RANK_SLOW_S=s: it sleeps s seconds after each tensor, before comparing it (a slow consumer);
 # RANK_AWAIT_GO=1: once imported it says "ready" on stderr and waits for a line on stdin before it
-# loads; RANK_BORROWED=1: it asks for borrowed views.
+# loads; RANK_PAUSE_AFTER=n: after n tensors it says "paused" on stderr and waits for a line on
+# stdin; RANK_BORROWED=1: it asks for borrowed views.
 RANK_SCRIPT = textwrap.dedent(
     """
     import json, os, sys, time, torch, streamer_client
     from safetensors import safe_open
     uri, rank, world, truth_dir, select = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5])
     stall_after, slow_s = int(os.environ.get("RANK_STALL_AFTER", "-1")), float(os.environ.get("RANK_SLOW_S", "0"))
+    pause_after, borrowed = int(os.environ.get("RANK_PAUSE_AFTER", "-1")), bool(os.environ.get("RANK_BORROWED"))
     index = json.load(open(truth_dir + "/model.safetensors.index.json"))["weight_map"]
     if os.environ.get("RANK_AWAIT_GO"):
         print("ready", flush=True, file=sys.stderr)
@@ -32,11 +34,13 @@ RANK_SCRIPT = textwrap.dedent(
     files = {}
     got, bad = [], []
     try:
-        borrowed = bool(os.environ.get("RANK_BORROWED"))
         for name, t in streamer_client.stream(uri, select=select, rank=rank, world_size=world, borrowed=borrowed):
             if len(got) == stall_after:
                 print("stalled", flush=True, file=sys.stderr)
                 time.sleep(3600)
+            if len(got) == pause_after:
+                print("paused", flush=True, file=sys.stderr)
+                sys.stdin.readline()
             time.sleep(slow_s)
             shard = index[name]
             if shard not in files:
@@ -160,6 +164,12 @@ def _mount(directory: Path, spec: str) -> str:
     return f"mount -t {fstype} -o {shlex.quote(options)} {fstype} {shlex.quote(str(directory))}"
 
 
+def segment_files(shm_dir: Path) -> list[Path]:
+    """The segments in a shm dir: its files but the generations table a daemon keeps beside them
+    while it has any (an empty dir stays empty: the table goes with the last segment)."""
+    return [p for p in shm_dir.iterdir() if not p.name.endswith(".generations")]
+
+
 def wait_until(predicate, timeout: float = 60, what: str = "condition"):
     """Poll ``predicate`` until it returns something true (returned), or fail naming ``what``."""
     deadline = time.monotonic() + timeout
@@ -205,7 +215,8 @@ def leftovers(d: DaemonProcess, cache_dir: Path, timeout: float = 10) -> tuple[l
 
 
 class ShmSampler:
-    """Samples the shm dir's total file size and modes while a load runs (independent of the daemon)."""
+    """Samples the shm dir's total segment size and every file's mode while a load runs (independent
+    of the daemon). The daemon's generations table is no segment: 1 MiB sparse, outside the budget."""
 
     def __init__(self, shm_dir: Path) -> None:
         self.shm_dir = shm_dir
@@ -222,7 +233,7 @@ class ShmSampler:
                     st = p.stat()
                 except FileNotFoundError:
                     continue
-                total += st.st_size
+                total += st.st_size if not p.name.endswith(".generations") else 0
                 self.modes.add(st.st_mode & 0o777)
             self.peak = max(self.peak, total)
             time.sleep(0.002)

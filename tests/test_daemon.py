@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from daemon_harness import DaemonProcess, ShmSampler, finish, wait_until
+from daemon_harness import DaemonProcess, ShmSampler, finish, segment_files, wait_until
 
 from streamer_service.checkpoint.catalog import build_catalog
 from streamer_service.sample import rank_selection
@@ -382,7 +382,7 @@ def test_segments_are_reused_across_sessions_then_trimmed(sample, daemon):
     assert waiting.stderr.readline().strip() == "ready"
     first = finish(d.start_rank(str(sample), 0, 1, sample, names, STREAMER_LAUNCH_ID="first"))
     d.finished()
-    kept = sorted(p.name for p in d.shm_dir.iterdir())
+    kept = sorted(p.name for p in segment_files(d.shm_dir))
     assert first["bad"] == [] and kept  # idle segments stay mapped for the next load
     stats = d.stats()
     assert stats["segments_idle"] == len(kept) and stats["shm_in_use"] == len(kept) * 4 * 2**20
@@ -391,7 +391,7 @@ def test_segments_are_reused_across_sessions_then_trimmed(sample, daemon):
     second = finish(waiting)
     assert second["bad"] == []
     assert d.stats()["segments_reused"] >= len(kept)
-    assert set(kept) <= {p.name for p in d.shm_dir.iterdir()}  # the same files served the second load
+    assert set(kept) <= {p.name for p in segment_files(d.shm_dir)}  # the same files served the second load
     deadline = time.monotonic() + 30
     while list(d.shm_dir.iterdir()) and time.monotonic() < deadline:
         time.sleep(0.1)

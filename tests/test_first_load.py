@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+from daemon_harness import segment_files
 from test_session import (
     FakeReader,
     _consume,
@@ -106,7 +107,7 @@ def test_a_fresh_daemons_first_load_takes_the_segments_prepared_at_start(node):
     pool = node.pool(4 * SLOT)
     pool.start_preparing(SLOT, 4)
     _prepared(pool)
-    prepared = {p.name for p in node.shm.iterdir()}
+    prepared = {p.name for p in segment_files(node.shm)}
     assert pool.prepared == len(prepared) == 4 and pool.budget.in_use == 4 * SLOT
     assert all(name.startswith("segment-maker") for name in node.store.made_by)  # not on a load's thread
     made_before = len(node.store.made_by)
@@ -116,7 +117,7 @@ def test_a_fresh_daemons_first_load_takes_the_segments_prepared_at_start(node):
     oversized = build_plan(node.checkpoint.catalog.tensors, SLOT).oversized_bytes
     # The load made no ring segment of its own: only a tensor larger than a slot got a new one.
     assert len(node.store.made_by) - made_before <= sum(t.nbytes > SLOT for t in node.checkpoint.catalog.tensors)
-    assert pool.reused >= 1 and prepared <= {p.name for p in node.shm.iterdir()}  # the same files, kept idle
+    assert pool.reused >= 1 and prepared <= {p.name for p in segment_files(node.shm)}  # the same files, kept idle
     assert pool.budget.peak <= pool.budget.limit + oversized and pool.budget.in_use <= pool.budget.limit
 
 
@@ -125,7 +126,7 @@ def test_prepared_segments_wait_for_the_first_load_then_go_once_idle(node):
     pool.start_preparing(SLOT, 2)
     _prepared(pool)
     pool.trim(time.monotonic() + 10**6)
-    assert pool.idle == 2 and len(list(node.shm.iterdir())) == 2  # however late the first load comes
+    assert pool.idle == 2 and len(list(segment_files(node.shm))) == 2  # however late the first load comes
     started = time.monotonic()
     segment, reservation = pool.take(SLOT)  # the first load's first request
     assert pool.reused == 1
@@ -145,7 +146,7 @@ def test_preparing_stays_within_the_budget_and_a_load_waits_for_segments_on_thei
     assert got is not None and pool.reused == 1
     _prepared(pool)
     assert pool.prepared == 3 and pool.budget.in_use == pool.budget.peak == 3 * SLOT
-    assert len(list(node.shm.iterdir())) == 3
+    assert len(list(segment_files(node.shm))) == 3
     pool.give(*got, keep=False, now=0.0)
 
 
@@ -156,7 +157,7 @@ def test_a_retained_load_makes_its_segments_ahead_and_keeps_exactly_what_it_fill
     batches = len(node.store.made_by)
     assert batches and all(name.startswith("segment-maker") for name in node.store.made_by)  # off the load's thread
     stats = resident.stats()
-    files = list(node.shm.iterdir())
+    files = list(segment_files(node.shm))
     assert len(files) == batches and sum(f.stat().st_size for f in files) == stats.resident_bytes == resident.used
     resident.close()
 
@@ -189,7 +190,7 @@ def test_an_abandoned_retained_load_unlinks_the_segments_made_ahead_for_it(node)
     session.leave(0)
     go.set()
     assert session.wait_ended(60) and session.state is SessionState.FAILED
-    files = list(node.shm.iterdir())
+    files = list(segment_files(node.shm))
     # Only the batches that were loaded stay (the resident copy's); the rest made ahead are gone.
     assert sum(f.stat().st_size for f in files) == resident.stats().resident_bytes == resident.used
     assert len(files) < len(node.store.made_by)
@@ -208,7 +209,7 @@ def test_a_ring_that_grows_makes_its_next_slots_off_the_loads_thread_within_the_
     oversized = build_plan(list(node.checkpoint.catalog.tensors), SLOT).oversized_bytes
     assert pool.budget.peak <= 6 * SLOT + node.store.pages.round(oversized)  # the one oversized buffer beyond it
     _prepared(pool)
-    assert pool.budget.in_use == sum(1 for _ in node.shm.iterdir()) * SLOT  # idle ones, all accounted
+    assert pool.budget.in_use == sum(1 for _ in segment_files(node.shm)) * SLOT  # idle ones, all accounted
 
 
 def test_a_growing_ring_goes_on_with_released_slots_while_its_next_segments_are_being_made(node):
@@ -264,20 +265,20 @@ def test_the_standing_ring_stays_idle_for_good_and_only_what_a_load_grew_past_it
     pool = node.pool(6 * SLOT, idle_s=5)
     pool.start_preparing(SLOT, 2, standing=True)
     _prepared(pool)
-    standing = {p.name for p in node.shm.iterdir()}
+    standing = {p.name for p in segment_files(node.shm)}
     started = time.monotonic()
     taken = [pool.take(SLOT) for _ in range(4)]  # a load's ring: the two standing segments and two new
-    assert pool.reused == 2 and None not in taken and len(list(node.shm.iterdir())) == 4
+    assert pool.reused == 2 and None not in taken and len(list(segment_files(node.shm))) == 4
     for segment, reservation in taken:
         pool.give(segment, reservation, keep=True, now=started)
     pool.trim(started + 4.9)
     assert pool.idle == 4
     pool.trim(started + 10**6)  # long idle: the ring's growth goes, two segments of the slot size stay
-    assert pool.idle == 2 and len(list(node.shm.iterdir())) == 2 and pool.budget.in_use == 2 * SLOT
+    assert pool.idle == 2 and len(list(segment_files(node.shm))) == 2 and pool.budget.in_use == 2 * SLOT
     again = pool.take(SLOT)  # the next load, however late, starts on allocated segments
     assert pool.reused == 3 and again[0].name in {s.name for s, _ in taken}
     pool.give(*again, keep=True, now=started + 10**6)
-    assert {p.name for p in node.shm.iterdir()} <= standing | {s.name for s, _ in taken}
+    assert {p.name for p in segment_files(node.shm)} <= standing | {s.name for s, _ in taken}
 
 
 def test_without_a_standing_ring_every_idle_segment_goes(node):
@@ -304,7 +305,7 @@ def test_the_segment_that_went_idle_last_is_taken_first(node):
     assert again[0].name == newer[0].name
     pool.give(*again, keep=True, now=now + 2)
     pool.trim(now + 5.5)  # only the older one was idle for 5 s
-    assert {p.name for p in node.shm.iterdir()} == {newer[0].name}
+    assert {p.name for p in segment_files(node.shm)} == {newer[0].name}
 
 
 def test_the_oversized_segment_that_went_idle_last_stands_with_the_ring(node):
@@ -314,16 +315,16 @@ def test_the_oversized_segment_that_went_idle_last_stands_with_the_ring(node):
     pool = node.pool(8 * SLOT, idle_s=5)
     pool.start_preparing(SLOT, 2, standing=True)
     _prepared(pool)
-    standing = {p.name for p in node.shm.iterdir()}
+    standing = {p.name for p in segment_files(node.shm)}
     started = time.monotonic()
     earlier = pool.take(3 * SLOT, oversized=True)
     pool.give(*earlier, keep=True, now=started)
     later = pool.take(2 * SLOT, oversized=True)
     pool.give(*later, keep=True, now=started + 1)
     pool.trim(started + 5.5)  # the earlier one is stale, the later not yet: only the earlier goes
-    assert {p.name for p in node.shm.iterdir()} == standing | {later[0].name}
+    assert {p.name for p in segment_files(node.shm)} == standing | {later[0].name}
     pool.trim(started + 10**6)
-    assert {p.name for p in node.shm.iterdir()} == standing | {later[0].name}
+    assert {p.name for p in segment_files(node.shm)} == standing | {later[0].name}
     assert pool.idle == 3 and pool.budget.in_use == 4 * SLOT
     reused = pool.reused
     again = pool.take(2 * SLOT, oversized=True)
@@ -336,7 +337,7 @@ def _standing_ring(node) -> tuple[SegmentPool, set[str]]:
     pool = node.pool(4 * SLOT, idle_s=5)
     pool.start_preparing(SLOT, 2, standing=True)
     _prepared(pool)
-    return pool, {p.name for p in node.shm.iterdir()}
+    return pool, {p.name for p in segment_files(node.shm)}
 
 
 def _loaded_batches(node) -> list:
@@ -363,11 +364,11 @@ def test_a_retained_load_keeps_the_standing_ring_for_its_first_batches_and_the_p
     assert len(node.store.made_by) - made_before == len(batches) - 2 + 2
     assert all(name.startswith("segment-maker") for name in node.store.made_by)
     assert pool.idle == 2 and pool.budget.in_use == 2 * SLOT  # the adopted ones left the ring's budget
-    files = {p.name: p.stat().st_size for p in node.shm.iterdir()}
+    files = {p.name: p.stat().st_size for p in segment_files(node.shm)}
     assert len(files) == len(batches) + 2
     assert resident.used == resident.stats().resident_bytes == sum(files.values()) - 2 * SLOT
     resident.close()
-    remaining = {p.name for p in node.shm.iterdir()}
+    remaining = {p.name for p in segment_files(node.shm)}
     assert len(remaining) == 2 and remaining.isdisjoint(standing)  # the standing ring, new segments
 
 
@@ -384,7 +385,7 @@ def test_a_retention_budget_with_room_only_for_exact_segments_leaves_the_standin
     assert resident.used == resident.stats().resident_bytes == exact  # every batch kept, in a segment of its size
     assert pool.idle == 2 and pool.budget.in_use == 2 * SLOT
     resident.close()
-    assert {p.name for p in node.shm.iterdir()} == standing  # the standing ring was not touched
+    assert {p.name for p in segment_files(node.shm)} == standing  # the standing ring was not touched
 
 
 def test_adopted_segments_leave_the_pool_and_its_budget_and_restand_makes_them_again(node):
@@ -399,7 +400,7 @@ def test_adopted_segments_leave_the_pool_and_its_budget_and_restand_makes_them_a
     pool.restand()
     _prepared(pool)
     assert pool.idle == 3 and pool.budget.in_use == 3 * SLOT
-    assert len(list(node.shm.iterdir())) == 5  # the adopted two are the adopter's to close
+    assert len(list(segment_files(node.shm))) == 5  # the adopted two are the adopter's to close
     for segment in adopted:
         segment.close()
 
@@ -500,7 +501,7 @@ def test_a_retained_load_that_ends_before_its_adopted_segments_gives_them_back_t
     _prepared(pool)
     # The same two segments, idle again, and none made in their place.
     assert pool.idle == 2 and pool.budget.in_use == 2 * SLOT and resident.used == 0
-    assert {p.name for p in node.shm.iterdir()} == standing
+    assert {p.name for p in segment_files(node.shm)} == standing
     resident.close()
 
 
@@ -513,7 +514,7 @@ def test_a_session_that_ends_while_the_daemon_stops_makes_no_segment_for_the_poo
     buffers.release()
     # The one never reached is back; the ring is not made again.
     assert not pool.preparing and pool.idle == pool.available(SLOT) == 1
-    assert {p.name for p in node.shm.iterdir()} == standing - {used.name}
+    assert {p.name for p in segment_files(node.shm)} == standing - {used.name}
     pool.close()
     assert list(node.shm.iterdir()) == [] and pool.budget.in_use == 0
     resident.close()

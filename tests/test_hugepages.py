@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from daemon_harness import DaemonProcess, finish, finish_failed, leftovers
+from daemon_harness import DaemonProcess, finish, finish_failed, leftovers, segment_files
 
 from streamer_client import protocol
 from streamer_service.daemon.pages import SMALL_PAGE, Pages, detect_pages
@@ -109,7 +109,7 @@ def test_daemon_on_a_huge_page_tmpfs_makes_whole_page_segments_and_says_so(sampl
         assert result["bad"] == [] and result["got"]
         # The resident copy's segments stay: each a whole number of 2 MiB pages (ring slots of
         # 3 MiB would be 4 MiB), and nothing of the machine's /dev/shm was used.
-        sizes = [p.stat().st_size for p in d.view(shm).iterdir()]
+        sizes = [p.stat().st_size for p in segment_files(d.view(shm))]
         assert sizes and all(size % (2 * MIB) == 0 for size in sizes), sizes
         assert sum(sizes) == d.stats()["resident_bytes"]
         assert list(shm.iterdir()) == []

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from daemon_harness import DaemonProcess, finish_failed, leftovers
+from daemon_harness import DaemonProcess, finish_failed, leftovers, segment_files
 
 from streamer_service.sample import build_sample
 
@@ -81,9 +81,9 @@ def test_shm_smaller_than_the_budget_is_a_config_error_not_a_sigbus(sample, tmp_
         assert str(d.shm_dir) in result["error"]["message"]
         assert result["bad"] == []  # what was delivered before is whole
         assert d.finished()[-1]["state"] == "failed"
-        shm, half = leftovers(d, tmp_path / "cache", timeout=10 if not env.get("STREAMER_RETENTION_BUDGET") else 0)
+        _, half = leftovers(d, tmp_path / "cache", timeout=10 if not env.get("STREAMER_RETENTION_BUDGET") else 0)
         # Nothing stays but the resident copy of the batches that were loaded (none without retention).
-        assert half == [] and sum((d.view(d.shm_dir) / name).stat().st_size for name in shm) == d.stats()["resident_bytes"]
+        assert half == [] and sum(p.stat().st_size for p in segment_files(d.view(d.shm_dir))) == d.stats()["resident_bytes"]
         assert d.healthy()
     finally:
         d.stop()

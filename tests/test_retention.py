@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from daemon_harness import DaemonProcess, finish, finish_failed
+from daemon_harness import DaemonProcess, finish, finish_failed, segment_files
 from prometheus_client.parser import text_string_to_metric_families
 
 from streamer_client import protocol
@@ -106,7 +106,7 @@ def test_second_load_is_served_from_memory_with_no_storage_read(backend, sample,
     assert union <= _tensor_bytes_served(backend) <= union * 1.001  # cold: each byte once (+ headers)
     resident = d.stats()
     assert resident["resident_bytes"] >= union
-    segments = sorted(p.name for p in d.shm_dir.iterdir())
+    segments = sorted(p.name for p in segment_files(d.shm_dir))
     assert segments  # the copy outlives the session
 
     backend.proxy.reset()
@@ -123,7 +123,7 @@ def test_second_load_is_served_from_memory_with_no_storage_read(backend, sample,
         metrics = {s.name: s.value for f in text_string_to_metric_families(c.get("/metrics").text) for s in f.samples}
     assert metrics["streamer_resident_served_bytes_total"] == union
     assert metrics["streamer_resident_bytes"] == stats["resident_bytes"]
-    assert sorted(p.name for p in d.shm_dir.iterdir()) == segments  # served from the same segments
+    assert sorted(p.name for p in segment_files(d.shm_dir)) == segments  # served from the same segments
     assert stats["shm_in_use"] == 0  # ring budget untouched: the retention budget holds the copy
 
     d.stop()
@@ -157,7 +157,7 @@ def test_a_retained_load_keeps_the_ring_made_at_start_and_the_daemon_makes_it_ag
     with d.client() as c:
         prepared = settled(c)["segments_prepared"]
     assert prepared == 8  # the bytes in flight (the whole 8 MiB budget) in 1 MiB slots
-    standing = {p.name for p in d.shm_dir.iterdir()}
+    standing = {p.name for p in segment_files(d.shm_dir)}
     _load(d, str(sample), sample, [names], launch="first")
     with d.client() as c:
         again = settled(c)["segments_prepared"] - prepared  # made after the session, for the ring
@@ -165,7 +165,7 @@ def test_a_retained_load_keeps_the_ring_made_at_start_and_the_daemon_makes_it_ag
     slot_batches = sum(b.kind is BatchKind.SLOT for b in build_plan(list(catalog.tensors), 2**20).batches if b.ranges)
     assert slot_batches >= 8  # every standing segment was taken, so none of them is idle now
     stats = d.stats()
-    files = {p.name: p.stat().st_size for p in d.shm_dir.iterdir()}
+    files = {p.name: p.stat().st_size for p in segment_files(d.shm_dir)}
     kept = standing & set(files)  # the standing segments still there: resident now
     assert again == len(kept) == 8 and stats["segments_idle"] == 8 and stats["shm_in_use"] == 8 * 2**20
     assert stats["resident_bytes"] == sum(files.values()) - 8 * 2**20 and all(files[n] == 2**20 for n in kept)
@@ -233,12 +233,12 @@ def test_force_pull_drops_the_resident_copy(sample, daemon):
     size = _nbytes(sample, names)
     d = daemon({}, "--shm-budget", "8MiB", "--retention-budget", "64MiB")
     _load(d, str(sample), sample, [names], launch="first")
-    before = sorted(p.name for p in d.shm_dir.iterdir())
+    before = sorted(p.name for p in segment_files(d.shm_dir))
     _load(d, str(sample), sample, [names], launch="forced", TRTLLM_OBJECT_STORAGE_FORCE_PULL="1")
     assert d.finished()[-1]["bytes_read"] == size  # the re-pulled generation is read again
-    after = sorted(p.name for p in d.shm_dir.iterdir())
+    after = sorted(p.name for p in segment_files(d.shm_dir))
     assert after and not set(after) & set(before)  # the old copy's segments are gone
-    assert d.stats()["resident_bytes"] == sum(p.stat().st_size for p in d.shm_dir.iterdir())
+    assert d.stats()["resident_bytes"] == sum(p.stat().st_size for p in segment_files(d.shm_dir))
     # The same launch again: its pull is done, the new copy serves it.
     _load(d, str(sample), sample, [names], launch="forced", TRTLLM_OBJECT_STORAGE_FORCE_PULL="1")
     assert d.finished()[-1]["bytes_read"] == 0

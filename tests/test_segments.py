@@ -32,6 +32,7 @@ import streamer_client
 from streamer_client import delivery
 from streamer_client.daemon import DaemonClient, _Receiver
 from streamer_client.dtypes import torch_layout
+from streamer_client.fence import Fence
 from streamer_client.host_memory import anonymous
 from streamer_client.pinning import HostPinner
 from streamer_client.protocol import Handle
@@ -280,9 +281,10 @@ def test_a_release_known_after_the_next_request_still_reaches_the_daemon(sample,
     later request (once lost: the ring ran dry and the load stalled, seen at 6.4 GB on an H200)."""
     d = daemon({"STREAMER_SLOT_SIZE": "1MiB"}, "--shm-budget", "4MiB")  # the ring must recycle
     client = DaemonClient(d.socket)
-    joined = client.call("/v1/sessions/join", {"uri": str(sample), "session": "late", "rank": 0, "world_size": 1})
+    joined = client.call("/v1/sessions/join", {"uri": str(sample), "session": "late", "rank": 0, "world_size": 1, "fence": True})
     segment_maps(d.shm_dir)._pinner = HostPinner(FakeCudart())
-    receiver = _Receiver(client, d.shm_dir, joined["session_id"], 0, torch.device("cpu"), False)
+    fence = Fence(d.shm_dir / joined["generations"], joined["session_id"])
+    receiver = _Receiver(client, d.shm_dir, joined["session_id"], 0, torch.device("cpu"), False, fence=fence)
     receiver._copier = LateCopier()  # the device path of the receiver, without a GPU
     got: dict[str, torch.Tensor] = {}
     worker = threading.Thread(target=lambda: got.update(receiver.run()), daemon=True)

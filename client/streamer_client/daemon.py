@@ -27,6 +27,12 @@ Every handle is checked against the segment as this rank mapped it before a byte
 failed), in one order (:meth:`_Receiver._end`): the copies out of the segments drained, then
 ``leave`` (from then on the daemon may write other bytes into them), then the segments unmapped,
 then the connection closed.
+
+Every path checks the generation of each segment it read (``fence``) after its bytes are copied
+and before its tensors are yielded: a segment the daemon gave new bytes while this rank held it
+raises ``SessionError`` naming the tensor (a borrowed view: ``BorrowedTensorError``, checked before
+it is lent and when its batch is finished). Page-locked copies are yielded before they land, so
+their check runs once they completed: at the latest before the iterator ends and before ``leave``.
 """
 
 from __future__ import annotations
@@ -46,7 +52,8 @@ from . import copier, delivery, errors, handles, protocol
 from .connection import POLL_WAIT_S, DaemonClient
 from .devices import resolve_device
 from .dtypes import torch_dtypes
-from .errors import StreamerError
+from .errors import BorrowedTensorError, ConfigError, StreamerError
+from .fence import Fence, unfenced
 from .leases import Leases
 from .progress import track
 from .protocol import Handle, JoinReply, NextReply
@@ -102,12 +109,20 @@ def _joined(client: DaemonClient, request: StreamRequest) -> Iterator[tuple[str,
         priority=list(request.priority) if request.priority else None, launch_id=request.launch_id,
         force=cfg.if_given("force_pull"), pins=device.type == "cuda" and not request.borrowed and cfg.pin_segments != "never",
         dtypes=sorted(torch_dtypes()),
+        fence=True,
     )  # fmt: skip
     # Blocks until every rank joined; the daemon enforces the join timeout.
-    reply = client.call(protocol.JOIN_PATH, body.to_wire(), read_timeout=None)
+    try:
+        reply = client.call(protocol.JOIN_PATH, body.to_wire(), read_timeout=None)
+    except ConfigError as exc:
+        if "body.fence: Extra inputs" not in exc.message:
+            raise
+        raise unfenced(client.socket) from None  # a daemon from before the fence refused the field
     joined = JoinReply.from_wire(reply)
     try:
         shm_dir = cfg.if_given("shm_dir") or Path(joined.shm_dir)
+        if joined.generations is None:
+            raise unfenced(client.socket)
         copier.share_host(request.world_size)  # the session's ranks share this node's CPUs
         receiver = _Receiver(
             client,
@@ -121,6 +136,7 @@ def _joined(client: DaemonClient, request: StreamRequest) -> Iterator[tuple[str,
             huge_pages=joined.shm_page_size > mmap.PAGESIZE,
             from_memory=joined.from_memory,
             recycled=joined.ring_slots > 0,
+            fence=Fence(shm_dir / joined.generations, joined.session_id),
         )
     except BaseException as exc:
         # Joined, and nothing to read with: leave now, or the other ranks wait for this one.
@@ -171,9 +187,11 @@ class _Receiver:
     def __init__(
         self, client: DaemonClient, shm_dir: Path, session_id: str, rank: int, device: torch.device, borrowed: bool,
         *, pin_segments: str = "always", nbytes: int = 0, huge_pages: bool = False, from_memory: bool = False,
-        recycled: bool = False,
+        recycled: bool = False, fence: Fence,
     ) -> None:  # fmt: skip
         self._client = client
+        self._fence = fence
+        self._torn: StreamerError | None = None  # a page-locked batch's check failed once its copies completed
         self._next = protocol.rank_path(session_id, rank, "next")
         self._leave = protocol.rank_path(session_id, rank, "leave")
         self._device = device
@@ -224,12 +242,15 @@ class _Receiver:
                 pending = False
                 if self._copier is not None:
                     self._copier.poll()
+                    self._raise_if_torn()
                     # Staged batches are released once staged: pending copies hold no batch.
                     pending = self._staging is None and self._copier.pending > 0
                 holding = self._staging is not None and self._staging.holding
                 release, self._release[:] = list(self._release), []  # one list: callbacks append to it
                 wait_s = 0.0 if pending or holding else POLL_WAIT_S
-                reply = NextReply.from_wire(self._client.call(self._next, protocol.NextRequest(release, wait_s).to_wire()))
+                reply = NextReply.from_wire(
+                    self._client.call(self._next, protocol.NextRequest(release, wait_s, fence=True).to_wire())
+                )
                 done = reply.done
                 # A reply holds whole batches, in order.
                 batches = list(handles.by_batch(reply.handles))
@@ -238,6 +259,7 @@ class _Receiver:
                     continue
                 if not batches and pending:
                     self._copier.wait_one()
+                    self._raise_if_torn()
                     continue
                 if self._copier is not None and self._staging is None:
                     # Page-lock this reply's segments on the worker thread, in copy order: the next
@@ -278,6 +300,8 @@ class _Receiver:
         try:
             try:
                 self._drain()
+                if error is None:
+                    self._raise_if_torn()  # every page-locked batch checked before the iterator ends
             except BaseException as exc:
                 error = error if error is not None else exc
                 raise
@@ -289,6 +313,7 @@ class _Receiver:
                     self._copier.close()  # drained already; unpins what it pinned
             finally:
                 self._segments.close()
+                self._fence.close()
                 self._client.close()
 
     def _drain(self) -> None:
@@ -306,6 +331,7 @@ class _Receiver:
         return self._copied(batch)
 
     def _lent(self, batch: list[Handle]) -> Iterator[tuple[str, torch.Tensor]]:
+        self._fence.check(batch, BorrowedTensorError)
         for h in batch:
             if h.segment is None:
                 tensor = _empty(h, self._device)
@@ -321,6 +347,7 @@ class _Receiver:
         items = [(self._source(h), h.dtype, h.shape) for h in batch]
         tensors = delivery.copy_to_cpu(items, functools.partial(handles.cut_short, batch))
         items.clear()
+        self._fence.check(batch)
         yield from self._hand_out(batch, tensors)
 
     def _staged(self, batches: list[list[Handle]], *, last: bool) -> Iterator[tuple[str, torch.Tensor]]:
@@ -333,11 +360,13 @@ class _Receiver:
             items = [(self._source(h).ctypes.data, h.dtype, h.shape) for h in with_bytes]
             hold = k + 1 < len(batches) or not last
             for done, outs in self._staging.copy_batch(batch, items, functools.partial(handles.cut_short, with_bytes), hold=hold):
+                self._fence.check(done)  # its bytes are out of the segment
                 yield from self._hand_out(done, self._with_empties(done, outs))
 
     def _finish_held(self) -> Iterator[tuple[str, torch.Tensor]]:
         """No batch came to follow the held one: finish its window, hand it out."""
         for done, outs in self._staging.flush_batch():
+            self._fence.check(done)
             yield from self._hand_out(done, self._with_empties(done, outs))
 
     def _with_empties(self, batch: list[Handle], staged: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -370,7 +399,7 @@ class _Receiver:
             # A dedicated segment stays mapped and pinned too: the daemon keeps it idle for a reload
             # of the same checkpoint, and the segment cache unmaps it once the daemon unlinks it.
             # Bound to the method, not to a list: this runs after later requests were sent.
-            copier.release_after(functools.partial(self._released, head.batch), fence)
+            copier.release_after(functools.partial(self._released, batch), fence)
         for h, tensor in zip(batch, tensors):
             yield h.name, tensor
         tensors.clear()
@@ -385,8 +414,14 @@ class _Receiver:
         handles.check(h, segment.nbytes)
         return segment[h.offset : h.offset + h.nbytes]
 
-    def _released(self, batch: int) -> None:
-        self._release.append(batch)  # sent with the next request
+    def _released(self, batch: list[Handle]) -> None:
+        """A page-locked batch's copies completed: checked, and released with the next request."""
+        self._torn = self._torn or self._fence.torn(batch)
+        self._release.append(batch[0].batch)
+
+    def _raise_if_torn(self) -> None:
+        if self._torn is not None:
+            raise self._torn
 
     def _finish(self, h: Handle) -> None:
         """Every tensor of ``h.batch`` for this rank was handed out: release it (borrowed: check views)."""
@@ -394,6 +429,7 @@ class _Receiver:
             return
         if self._borrowed:
             self._leases.end(self._in_hand)
+            self._fence.check([h], BorrowedTensorError)  # the views lent were valid to the end
         self._release.append(h.batch)
         if h.dedicated:
             self._segments.drop(h.segment)

@@ -93,6 +93,9 @@ class JoinRequest(NamedTuple):
     # with a tensor of another is refused at the join, before it is read. None: a rank that does not
     # say; the daemon assumes a torch with every dtype of the table.
     dtypes: list[str] | None = None
+    # The rank checks segment generations (Handle.entry, .generation): its NextRequest asks for them
+    # too. A daemon from before the fence refuses the field (the client then says to upgrade it).
+    fence: bool = False
 
     def to_wire(self) -> dict:
         return self._asdict()
@@ -101,6 +104,7 @@ class JoinRequest(NamedTuple):
 class NextRequest(NamedTuple):
     release: list[int]  # batches this rank is done with
     wait_s: float  # how long the daemon may wait for a batch to be ready
+    fence: bool = False  # handles in the 10-field form (an older client reads only the 8-field one)
 
     def to_wire(self) -> dict:
         return self._asdict()
@@ -119,7 +123,9 @@ def request_fields() -> dict[str, tuple[str, ...]]:
 
 
 class Handle(NamedTuple):
-    """One tensor of a published batch: ``nbytes`` at ``offset`` of shared-memory ``segment``."""
+    """One tensor of a published batch: ``nbytes`` at ``offset`` of shared-memory ``segment``, whose
+    bytes are valid while entry ``entry`` of the daemon's generations table holds ``generation``
+    (``JoinReply.generations``; ``entry`` -1: not fenced, an empty tensor or an old daemon's handle)."""
 
     batch: int
     segment: str | None  # None: an empty tensor, no bytes
@@ -129,14 +135,21 @@ class Handle(NamedTuple):
     dtype: str
     shape: tuple[int, ...]
     dedicated: bool  # an oversized tensor's own segment, unlinked once released
+    entry: int = -1
+    generation: int = 0
 
-    def to_wire(self) -> list:
-        return [self.batch, self.segment, self.offset, self.nbytes, self.name, self.dtype, list(self.shape), self.dedicated]
+    def to_wire(self, fenced: bool = True) -> list:
+        """The JSON array: 10 fields, or the 8 before the fence for a rank that did not ask for it."""
+        wire = [self.batch, self.segment, self.offset, self.nbytes, self.name, self.dtype, list(self.shape), self.dedicated]
+        if fenced:
+            wire += [self.entry, self.generation]
+        return wire
 
     @classmethod
     def from_wire(cls, raw: list) -> Handle:
-        batch, segment, offset, nbytes, name, dtype, shape, dedicated = raw
-        return cls(batch, segment, offset, nbytes, name, dtype, tuple(shape), dedicated)
+        batch, segment, offset, nbytes, name, dtype, shape, dedicated, *fence = raw
+        entry, generation = fence if fence else (-1, 0)
+        return cls(batch, segment, offset, nbytes, name, dtype, tuple(shape), dedicated, entry, generation)
 
 
 class JoinReply(NamedTuple):
@@ -153,6 +166,8 @@ class JoinReply(NamedTuple):
     # batch, where the daemon keeps the ring to them (0: it does not: a rank loading alone, a
     # retained load, whose segments are new memory for each batch, or a daemon that does not say).
     ring_slots: int = 0
+    # The file in shm_dir of the daemon's segment generations (None: a daemon from before the fence).
+    generations: str | None = None
 
     def to_wire(self) -> dict:
         return self._asdict()
@@ -162,6 +177,7 @@ class JoinReply(NamedTuple):
         return cls(
             data["session_id"], data["tensors"], data["bytes"], data["metadata_dir"], data["shm_dir"],
             data.get("shm_page_size", 0), data.get("from_memory", False), data.get("ring_slots", 0),
+            data.get("generations"),
         )  # fmt: skip
 
 
@@ -169,8 +185,8 @@ class NextReply(NamedTuple):
     handles: tuple[Handle, ...]  # whole batches, in order
     done: bool  # this rank has been handed every tensor
 
-    def to_wire(self) -> dict:
-        return {"handles": [h.to_wire() for h in self.handles], "done": self.done}
+    def to_wire(self, fenced: bool = True) -> dict:
+        return {"handles": [h.to_wire(fenced) for h in self.handles], "done": self.done}
 
     @classmethod
     def from_wire(cls, data: dict) -> NextReply:

@@ -147,6 +147,7 @@ class JoinRequest(_Model):
     force: bool | None = None  # TRTLLM_OBJECT_STORAGE_FORCE_PULL of the rank; None: the daemon's
     pins: bool = Field(default=False, strict=True)  # the rank may page-lock segments (JoinReply.ring_slots)
     dtypes: list[Annotated[str, Field(max_length=64)]] | None = Field(default=None, max_length=256)  # the rank's torch's
+    fence: bool = Field(default=False, strict=True)  # the rank checks segment generations (JoinReply.generations)
 
     @field_validator("select", "priority")
     @classmethod
@@ -168,6 +169,7 @@ class LeaveRequest(_Model):
 class NextRequest(_Model):
     release: list[int] = Field(default_factory=list, max_length=MAX_LIST)
     wait_s: float = Field(default=2.0, ge=0, le=MAX_WAIT_S)
+    fence: bool = Field(default=False, strict=True)  # handles with their generations (an older rank: without)
 
 
 def create_app(settings: Settings) -> FastAPI:
@@ -311,6 +313,7 @@ def create_app(settings: Settings) -> FastAPI:
         return JoinReply(
             session.id, rank.to_hand_out, rank.nbytes, str(session.checkpoint.metadata_dir), str(store.shm_dir),
             store.pages.size, session.from_memory(body.rank), session.ring_slots(body.rank),
+            store.generations.name if body.fence else None,
         ).to_wire()  # fmt: skip
 
     @app.post("/v1/sessions/{session_id}/ranks/{rank}/next")
@@ -326,7 +329,7 @@ def create_app(settings: Settings) -> FastAPI:
             handles, done = await anyio.to_thread.run_sync(next_in_thread)
         finally:
             watch.cancel()
-        return NextReply(tuple(handles), done).to_wire()
+        return NextReply(tuple(handles), done).to_wire(fenced=body.fence)
 
     @app.post("/v1/sessions/{session_id}/ranks/{rank}/leave")
     def leave(session_id: str, rank: int, request: Request, body: LeaveRequest | None = None) -> dict:

@@ -72,10 +72,15 @@ RING_AHEAD = 2
 KEPT_AHEAD = 2 * CREATE_WORKERS
 
 
-def handle(batch: int, segment: str | None, offset: int, tensor: TensorInfo, dedicated: bool = False) -> Handle:
-    """A rank's handle to ``tensor`` at ``offset`` in ``segment`` (``None``: an empty tensor);
-    ``dedicated``: an oversized tensor's own segment, unlinked once released."""
-    return Handle(batch, segment, offset, tensor.nbytes, tensor.name, tensor.dtype, tensor.shape, dedicated)
+def handle(batch: int, segment: Segment | None, offset: int, tensor: TensorInfo, dedicated: bool = False) -> Handle:
+    """A rank's handle to ``tensor`` at ``offset`` in ``segment`` (``None``: an empty tensor), of
+    the segment's generation now; ``dedicated``: an oversized tensor's own segment, unlinked once released."""
+    if segment is None:
+        return Handle(batch, None, offset, tensor.nbytes, tensor.name, tensor.dtype, tensor.shape, dedicated)
+    return Handle(
+        batch, segment.name, offset, tensor.nbytes, tensor.name, tensor.dtype, tensor.shape, dedicated,
+        segment.entry, segment.generation,
+    )  # fmt: skip
 
 
 @dataclass(eq=False)
@@ -130,14 +135,14 @@ class SessionBuffers:
         if self._resident is None:
             return []
         self._copy = copy = self._resident.pin(uri, generation)
-        by_segment: dict[str, list[tuple[TensorInfo, int]]] = {}
+        by_segment: dict[str, tuple[Segment, list[tuple[TensorInfo, int]]]] = {}
         for t in wanted:
             kept = copy.get(t.name) if t.nbytes else None
             if kept is not None:
-                by_segment.setdefault(kept.segment.name, []).append((t, kept.offset))
+                by_segment.setdefault(kept.segment.name, (kept.segment, []))[1].append((t, kept.offset))
         return [
             [handle(index, segment, offset, t) for t, offset in tensors]
-            for index, (segment, tensors) in enumerate(by_segment.items(), first)
+            for index, (segment, tensors) in enumerate(by_segment.values(), first)
         ]
 
     def in_memory(self, uri: str, generation: str, tensors: Iterable[TensorInfo]) -> bool:
@@ -206,9 +211,15 @@ class SessionBuffers:
         or none (wait for a release)."""
         oversized = batch.kind is BatchKind.OVERSIZED
         if self._claimed:  # the claim pays: one of the pool's segments, or one of the batch's size made ahead
-            return self._add(SegmentSlot(self._kept_segment(batch), None, oversized))
-        nbytes = batch.buffer_bytes if oversized else self._slot_size
-        return self._ring.take(functools.partial(self._new_slot, nbytes, oversized), oversized=oversized)
+            slot = self._add(SegmentSlot(self._kept_segment(batch), None, oversized))
+        else:
+            nbytes = batch.buffer_bytes if oversized else self._slot_size
+            slot = self._ring.take(functools.partial(self._new_slot, nbytes, oversized), oversized=oversized)
+        if slot is not None:
+            # Before the load writes into it: a rank still holding a handle of its last bytes
+            # raises once it checks, instead of yielding this batch's (daemon.generations).
+            slot.segment.bump()
+        return slot
 
     @property
     def ring_slots(self) -> int:

@@ -128,7 +128,7 @@ class SessionFeed:
             self._buffers.keep(slot, load.batch.placements)
         with self._lock:
             self._raise_if_cancelled()
-            segment = slot.segment.name if slot is not None else None
+            segment = slot.segment if slot is not None else None
             # A kept segment is read by later loads too: ranks map it like a ring slot.
             dedicated = load.batch.kind is BatchKind.OVERSIZED and not slot.kept
             handles = [handle(load.index, segment, p.buffer_offset, p.tensor, dedicated) for p in load.batch.placements]

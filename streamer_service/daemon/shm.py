@@ -52,6 +52,7 @@ import numpy as np
 from streamer_client.errors import ConfigError
 from streamer_client.segments import POPULATE_PIECE, map_shared, populate_shares, populates_piecewise
 
+from .generations import TABLE_SUFFIX, Generations
 from .pages import Pages, detect_pages
 
 __all__ = ["SEGMENT_PREFIX", "Reservation", "Segment", "SegmentStore", "ShmBudget", "sweep_stale_segments"]
@@ -59,7 +60,7 @@ __all__ = ["SEGMENT_PREFIX", "Reservation", "Segment", "SegmentStore", "ShmBudge
 log = logging.getLogger(__name__)
 
 SEGMENT_PREFIX = "streamer-"
-_NAME_RE = re.compile(r"^streamer-\d+-[0-9a-f]+-\d+$")
+_NAME_RE = re.compile(r"^streamer-\d+-[0-9a-f]+(?:-\d+|\.generations)$")  # a segment, or a daemon's generations table
 
 
 # Threads that make segments ahead of need (``SegmentStore.create_soon``). posix_fallocate zero-fills
@@ -84,14 +85,20 @@ class Segment:
 
     Holds the file open with a shared ``flock`` until :meth:`close` (the module docstring)."""
 
-    __slots__ = ("name", "path", "nbytes", "_mmap", "array", "address", "_fd", "inode", "closed", "__weakref__")
+    __slots__ = (
+        "name", "path", "nbytes", "_mmap", "array", "address", "_fd", "inode", "closed", "_generations", "entry",
+        "generation", "__weakref__",
+    )  # fmt: skip
 
-    def __init__(self, name: str, path: Path, nbytes: int, mode: int = 0o600, pages: Pages | None = None) -> None:
+    def __init__(
+        self, name: str, path: Path, nbytes: int, mode: int = 0o600, pages: Pages | None = None,
+        generations: Generations | None = None,
+    ) -> None:  # fmt: skip
         self.name = name
         self.path = path
         self.nbytes = nbytes
         self.closed = False
-        fd = _create_locked(path, mode)
+        fd = create_locked(path, mode)
         try:
             os.fchmod(fd, mode)  # exactly this mode, whatever the umask
             self._mmap = _allocated(fd, path, nbytes, pages)
@@ -103,10 +110,29 @@ class Segment:
         self._fd = fd
         self.array = np.frombuffer(self._mmap, dtype=np.uint8)
         self.address = self.array.ctypes.data
+        # Its entry in the daemon's generations table (-1: none), and the generation its bytes are of.
+        self._generations = generations
+        self.generation = 0
+        try:
+            self.entry = generations.take() if generations is not None else -1
+        except BaseException:
+            self._generations = None
+            self.close()
+            raise
+
+    def bump(self) -> int:
+        """A new generation, before new bytes are written into the segment: a rank still holding
+        a handle of the old one raises once it checks (:mod:`.generations`)."""
+        if self._generations is not None:
+            self.generation = self._generations.bump(self.entry)
+        return self.generation
 
     def close(self) -> None:
         """Unlink and unmap. Ranks that still map the file keep their pages until they unmap."""
         self.unlink()
+        generations, self._generations = self._generations, None
+        if generations is not None:
+            generations.give(self.entry)
         self.array = None
         with contextlib.suppress(BufferError):  # a view still exported: the map goes with it
             self._mmap.close()
@@ -133,7 +159,7 @@ class Segment:
         return f"Segment({self.name!r}, {self.nbytes})"
 
 
-def _create_locked(path: Path, mode: int) -> int:
+def create_locked(path: Path, mode: int) -> int:
     """``path`` created (it must not exist) and opened with a shared ``flock`` held: a sweep that
     took the exclusive lock first (it listed the file the instant it was made) removed it before
     it was ours, so it is made again."""
@@ -265,6 +291,8 @@ class SegmentStore:
             raise ConfigError(f"shared-memory dir {self.shm_dir} does not exist (STREAMER_SHM_DIR / --shm-dir)")
         self.prefix = f"{SEGMENT_PREFIX}{os.getpid()}-{secrets.token_hex(4)}-"
         self.pages = detect_pages(self.shm_dir)
+        # Not a segment's name: leftovers() lists segments only.
+        self.generations = Generations(self.shm_dir, f"{self.prefix[:-1]}{TABLE_SUFFIX}", mode, create=create_locked)
         self._counter = 0
         self._lock = threading.Lock()
         self._makers: ThreadPoolExecutor | None = None
@@ -281,6 +309,7 @@ class SegmentStore:
             makers, self._makers = self._makers, None
         if makers is not None:
             makers.shutdown(wait=True)
+        self.generations.close()
 
     def abandon(self) -> list[str]:
         """Unlink every segment file of this instance and unmap none: what may still write into
@@ -301,7 +330,7 @@ class SegmentStore:
         with self._lock:
             self._counter += 1
             name = f"{self.prefix}{self._counter}"
-        segment = Segment(name, self.shm_dir / name, self.pages.round(nbytes), self.mode, self.pages)
+        segment = Segment(name, self.shm_dir / name, self.pages.round(nbytes), self.mode, self.pages, self.generations)
         with self._lock:
             self._made[name] = segment
         return segment
