@@ -399,10 +399,11 @@ def test_a_device_load_drains_its_copies_before_it_leaves(sample, daemon, small_
     20th copy. Once the rank has left, the daemon may write another load into those segments."""
     d = daemon({"STREAMER_SLOT_SIZE": "1MiB"}, "--shm-budget", "4MiB")  # the ring must recycle
     client = DaemonClient(d.socket)
-    joined = client.call("/v1/sessions/join", {"uri": str(sample), "session": "drain", "rank": 0, "world_size": 1})
+    joined = client.call("/v1/sessions/join", {"uri": str(sample), "session": "drain", "rank": 0, "world_size": 1, "fence": True})
 
     segment_maps(d.shm_dir)._pinner = HostPinner(FakeCudart())
-    receiver = _Receiver(client, d.shm_dir, joined["session_id"], 0, torch.device("cpu"), False)
+    fence = Fence(d.shm_dir / joined["generations"], joined["session_id"])
+    receiver = _Receiver(client, d.shm_dir, joined["session_id"], 0, torch.device("cpu"), False, fence=fence)
     receiver._copier = copies = DeferredCopier(functools.partial(_holds, d, joined["session_id"]))
     receiver._stage = path == "staged"
     if end == "failed":
@@ -510,9 +511,10 @@ def test_a_handle_past_the_end_of_its_segment_is_refused_on_the_device_paths(sam
     mapping); the copies queued before it complete before the rank leaves."""
     d, sizes = _resident_cut_in_half(sample, daemon)
     client = DaemonClient(d.socket)
-    joined = client.call("/v1/sessions/join", {"uri": str(sample), "session": "warm", "rank": 0, "world_size": 1})
+    joined = client.call("/v1/sessions/join", {"uri": str(sample), "session": "warm", "rank": 0, "world_size": 1, "fence": True})
     segment_maps(d.shm_dir)._pinner = HostPinner(FakeCudart())
-    receiver = _Receiver(client, d.shm_dir, joined["session_id"], 0, torch.device("cpu"), False)
+    fence = Fence(d.shm_dir / joined["generations"], joined["session_id"])
+    receiver = _Receiver(client, d.shm_dir, joined["session_id"], 0, torch.device("cpu"), False, fence=fence)
     receiver._copier = copies = DeferredCopier(functools.partial(_holds, d, joined["session_id"]))
     receiver._stage = path == "staged"
     truth = ground_truth(sample)
@@ -548,7 +550,8 @@ def test_a_handle_that_does_not_fit_its_segment_is_refused_before_a_byte_is_read
     data = os.urandom(3 * 4096)
     _write(shm_dir / "streamer-1-aa-1", data)
     segment_maps(shm_dir)._pinner = HostPinner(FakeCudart())
-    receiver = _Receiver(DaemonClient(shm_dir / "no.sock"), shm_dir, "s", 0, torch.device("cpu"), borrowed)
+    fence = Fence(shm_dir / "streamer-1-aa.generations", "s")  # no daemon: the table is never read here
+    receiver = _Receiver(DaemonClient(shm_dir / "no.sock"), shm_dir, "s", 0, torch.device("cpu"), borrowed, fence=fence)
     try:
         fits = Handle(0, "streamer-1-aa-1", 4096, 8192, "w", "F32", (2048,), False)
         assert receiver._source(fits).tobytes() == data[4096:]

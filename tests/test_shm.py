@@ -23,6 +23,7 @@ from smaps import resident_bytes
 from streamer_client import segments
 from streamer_client.segments import map_segment
 from streamer_service.daemon import shm
+from streamer_service.daemon.generations import TABLE_SUFFIX
 from streamer_service.daemon.shm import Segment
 
 MIB = 2**20
@@ -193,14 +194,18 @@ sys.stdin.read()
 @pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="unshare --pid needs root")
 def test_a_sweep_removes_the_segments_of_a_process_killed_9_and_never_those_of_a_live_one(shm_dir):
     """Whether a segment's maker lives is its lock on the segment, whatever its PID says: the maker
-    is PID 1 of a PID namespace of its own (as in a container); the sweep leaves its segments (and
-    files not named as segments) while it lives, and removes them once it was killed -9."""
+    is PID 1 of a PID namespace of its own (as in a container); the sweep leaves its segments and
+    its generations table (and files not named as segments) while it lives, and removes them once
+    it was killed -9."""
     cmd = ["unshare", "--pid", "--fork", "--kill-child=SIGKILL", sys.executable, "-c", _HOLDER, str(shm_dir)]
     holder = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         made = holder.stdout.readline().split()
         assert len(made) == 2 and all(n.startswith("streamer-1-") for n in made), made
         (shm_dir / "streamer-notes").write_text("not a segment")
+        # The maker's generations table holds its lock as its segments do: swept with them, never before.
+        made += [p.name for p in shm_dir.iterdir() if p.name.endswith(TABLE_SUFFIX)]
+        assert len(made) == 3, made
         assert shm.sweep_stale_segments(shm_dir) == []
         assert sorted(p.name for p in shm_dir.iterdir()) == sorted([*made, "streamer-notes"])
         holder.kill()  # unshare, and with it the maker (--kill-child)
