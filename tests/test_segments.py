@@ -390,6 +390,19 @@ def small_staging_ring(monkeypatch):
     monkeypatch.setattr(delivery, "_RING", ring)
 
 
+def _device_receiver(d, uri: str, session: str, path: str) -> tuple[_Receiver, DeferredCopier]:
+    """A joined rank's receiver on its device paths without a GPU (``path``: page-locked or staged):
+    the copier double above, its segments page-locked through the fake CUDA runtime."""
+    client = DaemonClient(d.socket)
+    joined = client.call("/v1/sessions/join", {"uri": uri, "session": session, "rank": 0, "world_size": 1, "fence": True})
+    segment_maps(d.shm_dir)._pinner = HostPinner(FakeCudart())
+    fence = Fence(d.shm_dir / joined["generations"], joined["session_id"])
+    receiver = _Receiver(client, d.shm_dir, joined["session_id"], 0, torch.device("cpu"), False, fence=fence)
+    receiver._copier = copies = DeferredCopier(functools.partial(_holds, d, joined["session_id"]))
+    receiver._stage = path == "staged"
+    return receiver, copies
+
+
 @pytest.mark.parametrize("path", ["page-locked", "staged"])
 @pytest.mark.parametrize("end", ["finished", "closed", "failed"])
 def test_a_device_load_drains_its_copies_before_it_leaves(sample, daemon, small_staging_ring, path, end):
@@ -398,14 +411,7 @@ def test_a_device_load_drains_its_copies_before_it_leaves(sample, daemon, small_
     however the load ends: finished, closed after 5 tensors with copies in flight, or failed at its
     20th copy. Once the rank has left, the daemon may write another load into those segments."""
     d = daemon({"STREAMER_SLOT_SIZE": "1MiB"}, "--shm-budget", "4MiB")  # the ring must recycle
-    client = DaemonClient(d.socket)
-    joined = client.call("/v1/sessions/join", {"uri": str(sample), "session": "drain", "rank": 0, "world_size": 1, "fence": True})
-
-    segment_maps(d.shm_dir)._pinner = HostPinner(FakeCudart())
-    fence = Fence(d.shm_dir / joined["generations"], joined["session_id"])
-    receiver = _Receiver(client, d.shm_dir, joined["session_id"], 0, torch.device("cpu"), False, fence=fence)
-    receiver._copier = copies = DeferredCopier(functools.partial(_holds, d, joined["session_id"]))
-    receiver._stage = path == "staged"
+    receiver, copies = _device_receiver(d, str(sample), "drain", path)
     if end == "failed":
         copies.fail_at = 20
     truth = ground_truth(sample)
@@ -510,13 +516,7 @@ def test_a_handle_past_the_end_of_its_segment_is_refused_on_the_device_paths(sam
     before any copy of it is queued (before: the staged path copied from an address past the
     mapping); the copies queued before it complete before the rank leaves."""
     d, sizes = _resident_cut_in_half(sample, daemon)
-    client = DaemonClient(d.socket)
-    joined = client.call("/v1/sessions/join", {"uri": str(sample), "session": "warm", "rank": 0, "world_size": 1, "fence": True})
-    segment_maps(d.shm_dir)._pinner = HostPinner(FakeCudart())
-    fence = Fence(d.shm_dir / joined["generations"], joined["session_id"])
-    receiver = _Receiver(client, d.shm_dir, joined["session_id"], 0, torch.device("cpu"), False, fence=fence)
-    receiver._copier = copies = DeferredCopier(functools.partial(_holds, d, joined["session_id"]))
-    receiver._stage = path == "staged"
+    receiver, copies = _device_receiver(d, str(sample), "warm", path)
     truth = ground_truth(sample)
     got: dict[str, torch.Tensor] = {}
     with pytest.raises(streamer_client.errors.DaemonError) as failed:
