@@ -58,8 +58,8 @@ def test_groups_come_complete_in_arrival_order(ckpt):
 
 def test_group_errors_name_the_tensor(ckpt):
     names = list(ground_truth(ckpt))
-    with pytest.raises(ConfigError, match=rf"tensor '{names[1]}' is in group 'a' and in group 'b'"):
-        load_groups(ckpt, {"a": names[:2], "b": names[1:3]})
+    with pytest.raises(ConfigError, match=rf"tensor '{names[1]}' is twice in group 'a'"):
+        load_groups(ckpt, {"a": [names[1], names[1]]})
     with pytest.raises(ConfigError, match="group 'a' must be a non-empty list of tensor names"):
         load_groups(ckpt, {"a": []})
     with pytest.raises(ConfigError, match="borrowed views cannot be kept"):

@@ -1,15 +1,27 @@
 """tensorrt_llm/mapping.py at b35ac1b64368513d215c57d2ed01d62d910df8da (MappingBase, MpiTopology): the
-attributes a weight loader reads."""
+attributes a weight loader reads, the MoE split (moe_tp/moe_ep/moe_cluster sizes and ranks) included."""
 
 import torch
 
 
 class Mapping:
-    def __init__(self, world_size=1, rank=0, gpus_per_node=8, *, cp_size=1, tp_size=1, pp_size=1, **_):
+    def __init__(self, world_size=1, rank=0, gpus_per_node=8, *, cp_size=1, tp_size=1, pp_size=1,
+                 moe_cluster_size=-1, moe_tp_size=-1, moe_ep_size=-1, **_):  # fmt: skip
         if tp_size * pp_size * cp_size != world_size:
             raise ValueError("world_size must equal to tp_size * pp_size * cp_size")
+        if moe_cluster_size == -1:
+            moe_cluster_size = 1
+        if moe_tp_size == -1 and moe_ep_size == -1:
+            moe_tp_size, moe_ep_size = tp_size // moe_cluster_size, 1
+        elif moe_tp_size == -1:
+            moe_tp_size = tp_size // (moe_ep_size * moe_cluster_size)
+        elif moe_ep_size == -1:
+            moe_ep_size = tp_size // (moe_tp_size * moe_cluster_size)
+        if moe_tp_size * moe_ep_size * moe_cluster_size != tp_size:
+            raise ValueError("tp_size must equal to moe_tp_size * moe_ep_size * moe_cluster_size")
         self.world_size, self.rank, self.gpus_per_node = world_size, rank, gpus_per_node
         self.tp_size, self.pp_size, self.cp_size = tp_size, pp_size, cp_size
+        self.moe_tp_size, self.moe_ep_size, self.moe_cluster_size = moe_tp_size, moe_ep_size, moe_cluster_size
 
     @property
     def tp_rank(self):
@@ -18,6 +30,18 @@ class Mapping:
     @property
     def pp_rank(self):
         return self.rank // (self.tp_size * self.cp_size)
+
+    @property
+    def moe_tp_rank(self):
+        return self.tp_rank // (self.moe_ep_size * self.moe_cluster_size)
+
+    @property
+    def moe_cluster_rank(self):
+        return self.tp_rank % self.moe_cluster_size
+
+    @property
+    def moe_ep_rank(self):
+        return self.tp_rank % self.moe_ep_size
 
     @property
     def local_rank(self):
