@@ -184,9 +184,7 @@ class RankLedger:
         """The rank is finished, abandons the load, or failed with ``error``: it holds nothing any
         more. A rank that was fenced, or that outlived its session, gives back what it still held."""
         if state.status is not RankStatus.ACTIVE:
-            freed = self._unlease(state, list(state.outstanding))
-            state.stop_watching()
-            return freed
+            return self._let_go(state)
         complete = not state.to_hand_out and not state.queue
         if error is not None:
             status = RankStatus.FAILED
@@ -207,9 +205,7 @@ class RankLedger:
                 if state.outstanding and (gone or (state.process is None and silent)):
                     held = len(state.outstanding)
                     why = "its process is gone" if gone else f"silent for {now - state.last_seen:.1f} s"
-                    freed = self._unlease(state, list(state.outstanding))
-                    state.stop_watching()
-                    out.append((state, f"{why}; the {held} batches it held are free", freed))
+                    out.append((state, f"{why}; the {held} batches it held are free", self._let_go(state)))
                 continue
             if gone:
                 why, keep = "its process is gone", False
@@ -224,13 +220,19 @@ class RankLedger:
         return out
 
     def _end(self, state: RankState, status: RankStatus, error: str | None = None, *, keep_held: bool = False) -> list[Any]:
-        """``state`` is no longer active: the leases of batches it was not handed end now, and
-        those it was handed unless ``keep_held`` (it may still be copying their bytes)."""
-        freed = self._unlease(state, [i for i in state.outstanding if not (keep_held and i in state.held)])
+        """``state`` is no longer active (:meth:`_let_go`)."""
+        freed = self._let_go(state, keep_held=keep_held)
         state.queue.clear()
+        state.status, state.error = status, error
+        return freed
+
+    def _let_go(self, state: RankState, *, keep_held: bool = False) -> list[Any]:
+        """End ``state``'s leases: those of batches it was not handed, and those it was handed
+        unless ``keep_held`` (it may still be copying their bytes); its process is watched only
+        while it holds some. Returns the tokens nobody holds any more."""
+        freed = self._unlease(state, [i for i in state.outstanding if not (keep_held and i in state.held)])
         if not state.outstanding:
             state.stop_watching()
-        state.status, state.error = status, error
         return freed
 
     def finish(self) -> None:
@@ -247,11 +249,8 @@ class RankLedger:
         until they release it (:attr:`holding`). Returns the tokens nobody holds any more."""
         freed = []
         for state in self.ranks.values():
-            keep = not state.gone()
-            freed += self._unlease(state, [i for i in state.outstanding if not (keep and i in state.held)])
+            freed += self._let_go(state, keep_held=not state.gone())
             state.queue.clear()
-            if not state.outstanding:
-                state.stop_watching()
         return freed
 
     @property
