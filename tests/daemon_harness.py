@@ -19,7 +19,8 @@ import httpx
 # RANK_SLOW_S=s: it sleeps s seconds after each tensor, before comparing it (a slow consumer);
 # RANK_AWAIT_GO=1: once imported it says "ready" on stderr and waits for a line on stdin before it
 # loads; RANK_PAUSE_AFTER=n: after n tensors it says "paused" on stderr and waits for a line on
-# stdin; RANK_BORROWED=1: it asks for borrowed views.
+# stdin; RANK_BORROWED=1: it asks for borrowed views; RANK_DEVICE=cuda:0: its tensors go to that
+# device (compared with safetensors' on the CPU).
 RANK_SCRIPT = textwrap.dedent(
     """
     import json, os, sys, time, torch, streamer_client
@@ -27,6 +28,7 @@ RANK_SCRIPT = textwrap.dedent(
     uri, rank, world, truth_dir, select = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5])
     stall_after, slow_s = int(os.environ.get("RANK_STALL_AFTER", "-1")), float(os.environ.get("RANK_SLOW_S", "0"))
     pause_after, borrowed = int(os.environ.get("RANK_PAUSE_AFTER", "-1")), bool(os.environ.get("RANK_BORROWED"))
+    device = os.environ.get("RANK_DEVICE", "cpu")
     index = json.load(open(truth_dir + "/model.safetensors.index.json"))["weight_map"]
     if os.environ.get("RANK_AWAIT_GO"):
         print("ready", flush=True, file=sys.stderr)
@@ -34,7 +36,7 @@ RANK_SCRIPT = textwrap.dedent(
     files = {}
     got, bad = [], []
     try:
-        for name, t in streamer_client.stream(uri, select=select, rank=rank, world_size=world, borrowed=borrowed):
+        for name, t in streamer_client.stream(uri, select=select, rank=rank, world_size=world, borrowed=borrowed, device=device):
             if len(got) == stall_after:
                 print("stalled", flush=True, file=sys.stderr)
                 time.sleep(3600)
@@ -45,7 +47,7 @@ RANK_SCRIPT = textwrap.dedent(
             shard = index[name]
             if shard not in files:
                 files[shard] = safe_open(truth_dir + "/" + shard, "pt")
-            want = files[shard].get_tensor(name)
+            want, t = files[shard].get_tensor(name), t.cpu()
             if not (want.dtype == t.dtype and want.shape == t.shape and torch.equal(want, t)):
                 bad.append(name)
             got.append(name)

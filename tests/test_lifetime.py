@@ -97,12 +97,14 @@ def _outcome(proc, timeout: float = 300) -> dict | None:
 FAULTS = ("changed", "killed", "stalled", "none")
 
 
-def _round(d, fault: str, r: int, sample: Path, other: Path, tmp_path: Path) -> None:
-    """One round: a load of a fresh copy of ``sample`` (its ranks slow, owned or borrowed by
-    round) with ``fault`` injected, and a load of ``other`` on the same pool at the same time."""
+def _round(d, fault: str, r: int, sample: Path, other: Path, tmp_path: Path, on: dict[str, str]) -> None:
+    """One round: a load of a fresh copy of ``sample`` (its ranks slow; on the CPU owned or
+    borrowed by round) with ``fault`` injected, and a load of ``other`` on the same pool at the
+    same time. ``on``: the ranks' environment (their device, how they copy)."""
     src = tmp_path / f"round-{r}"
     shutil.copytree(sample, src)
-    slow = {"RANK_SLOW_S": "0.5" if fault == "changed" else "0.2", "RANK_BORROWED": "1" if fault == "changed" or r % 2 else ""}
+    borrowed = "RANK_DEVICE" not in on and (fault == "changed" or r % 2)
+    slow = {"RANK_SLOW_S": "0.5" if fault == "changed" else "0.2", "RANK_BORROWED": "1" if borrowed else "", **on}
     victim = {"killed": {"RANK_STALL_AFTER": "2"}, "stalled": {"RANK_STALL_AFTER": "2"}}.get(fault, {})
     names = [t.name for t in _catalog(src).tensors]
     fenced = d.log.read_text().count("rank 1 silent")
@@ -111,7 +113,7 @@ def _round(d, fault: str, r: int, sample: Path, other: Path, tmp_path: Path) -> 
         d.start_rank(str(src), k, world, src, rank_selection(names, k, world), **slow, **(victim if k else {}))
         for k in range(world)
     ]
-    b = [d.start_rank(str(other), k, 2, other, None, RANK_AWAIT_GO="1") for k in range(2)]
+    b = [d.start_rank(str(other), k, 2, other, None, RANK_AWAIT_GO="1", **on) for k in range(2)]
     if fault == "changed":
         failures = sum(s["state"] == "failed" for s in d.stats()["finished"])
         _got(a[0], 2)
@@ -142,15 +144,15 @@ def _round(d, fault: str, r: int, sample: Path, other: Path, tmp_path: Path) -> 
     assert d.healthy()
 
 
-def _churn(sample: Path, daemon, tmp_path: Path, rounds: int) -> None:
+def _churn(sample: Path, daemon, tmp_path: Path, rounds: int, on: dict[str, str] | None = None) -> None:
     other = sevens(sample, tmp_path / "sevens")
     d = daemon({**POOLED, "STREAMER_RANK_TIMEOUT_S": "5"}, "--shm-budget", "4MiB")
     for r in range(rounds):
-        _round(d, FAULTS[r % len(FAULTS)], r, sample, other, tmp_path)
+        _round(d, FAULTS[r % len(FAULTS)], r, sample, other, tmp_path, on or {})
     # Last, the daemon stops while a slow rank holds a reply: the rank yields its own bytes, then the error.
     src = tmp_path / "last"
     shutil.copytree(sample, src)
-    slow = d.start_rank(str(src), 0, 1, src, None, RANK_SLOW_S="0.2")
+    slow = d.start_rank(str(src), 0, 1, src, None, RANK_SLOW_S="0.2", **(on or {}))
     _got(slow, 2)
     d.stop()
     res = _outcome(slow)
@@ -164,6 +166,19 @@ def test_churn_of_loads_with_faults_never_yields_a_wrong_byte(sample, daemon, tm
     rank killed -9, a live rank stalled past the rank timeout, the daemon stopped) and slow ranks
     hold replies: every tensor any rank yields equals safetensors."""
     _churn(sample, daemon, tmp_path, rounds=len(FAULTS))
+
+
+# The ranks page-lock the daemon's segments and copy from them to the GPU by DMA
+# (STREAMER_PIN_SEGMENTS=always): a segment reused while a rank's copies still read it would show
+# as a wrong tensor on the device.
+PAGE_LOCKED = {"RANK_DEVICE": "cuda:0", "STREAMER_PIN_SEGMENTS": "always"}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.timeout(900)
+def test_churn_of_page_locked_cuda_loads_with_faults_never_yields_a_wrong_byte(sample, daemon, tmp_path):
+    """The churn above with every rank on a GPU, copying from page-locked segments."""
+    _churn(sample, daemon, tmp_path, rounds=2 * len(FAULTS), on=PAGE_LOCKED)
 
 
 @pytest.mark.soak

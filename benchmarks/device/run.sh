@@ -20,7 +20,9 @@
 # Environment: SIZE_GB (6.44), PROCS (3), RELOADS (2), ROWS (all), PROFILE (1), BASELINE (another checkout's
 # client/ and streamer_service/, e.g. `git archive` of a commit with the copier built: an A/B of each row of
 # ours in the same rounds), BENCH (1), IMPORTS (1),
-# TESTS (1), TESTS_S (the suite's time limit, at most what is left of LIMIT, 570 s), OUT (where the logs go).
+# TESTS (1), TESTS_S (the suite's time limit, at most what is left of LIMIT, 570 s), TEST_FILES and TEST_K
+# (the suite's files and its -k expression; default: the CUDA tests and those of the data path), OUT (where
+# the logs go).
 set -uo pipefail
 
 SIZE_GB=${SIZE_GB:-6.44}
@@ -82,10 +84,10 @@ LEFT=$((${LIMIT:-570} - SECONDS))
 if [ "${TESTS:-1}" = 1 ] && [ "$LEFT" -ge 30 ]; then
     # One pytest process, this order: a test that asserts the process's page-locked ranges must
     # hold whichever tests ran before it.
-    timeout "$LEFT" python3 -m pytest -p no:cacheprovider -q -n 0 \
+    timeout "$LEFT" python3 -m pytest -p no:cacheprovider -q -n 0 ${TEST_FILES:-\
         tests/test_cuda.py tests/test_cuda_daemon.py tests/test_first_load.py tests/test_buffers.py \
-        tests/test_delivery.py tests/test_segments.py tests/test_mapped.py tests/test_copier.py tests/test_shm.py tests/test_imports.py \
-        -k 'not s3 and not gcs and not azure and not every_scheme_has_a_backend' > "$OUT/tests.log" 2>&1
+        tests/test_delivery.py tests/test_segments.py tests/test_mapped.py tests/test_copier.py tests/test_shm.py tests/test_imports.py} \
+        -k "${TEST_K:-not s3 and not gcs and not azure and not every_scheme_has_a_backend}" > "$OUT/tests.log" 2>&1
     echo "tests exit $?"
     grep -E "passed|failed|error" "$OUT/tests.log" | tail -3
 fi
