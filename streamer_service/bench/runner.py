@@ -139,6 +139,7 @@ class Bench:
                 )
                 self.started["daemon_pids"].append(daemon.proc.pid)
                 self.started["daemon_shm_dirs"].append(str(daemon.shm_dir))
+                daemon.wait_preloaded()  # its reads count as storage bytes of a local source from now on
             for scenario in self.config.scenarios:
                 for world in self.config.ranks:
                     sel = selections(scenario, self.catalog.tensors, world)

@@ -105,14 +105,13 @@ class Daemon:
             # The first load's ring, made now and kept between loads: a load otherwise pays the
             # zero-fill and mapping of every segment on its own thread (docs/deploy.md). A retained
             # load keeps them for its first batches, and the pool makes them again after it.
-            self.pool.start_preparing(
-                self.slot_size, first_ring_slots(self.budget.limit, self.slot_size, self.in_flight), standing=True
-            )
+            first = first_ring_slots(self.budget.limit, self.slot_size, self.in_flight)
+            self.pool.start_preparing(self.slot_size, first, standing=True)
         if self.allow.any:
             log.warning("no --allow prefixes: this daemon will read any URI its credentials reach")
         self._reaper = threading.Thread(target=self._reap_supervised, name="reaper", daemon=True)
         self._reaper.start()
-        start_preloading(self.allow.cloud_schemes)
+        self._preloaded = start_preloading(self.allow.cloud_schemes)
         pages = self.store.pages
         log.info(
             "daemon ready: shm %s (budget %d bytes, slots of %d, at most %d bytes in flight for %d Gbit/s, %d KiB pages: %s), cache %s",
@@ -442,4 +441,5 @@ class Daemon:
             resident=self.resident.stats(),
             sessions=active,
             finished=finished,
+            preloaded=self._preloaded.is_set(),
         )

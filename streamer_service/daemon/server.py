@@ -255,6 +255,15 @@ class ChildDaemon:
     def env(self) -> dict[str, str]:
         return {"STREAMER_SOCKET": str(self.socket), "STREAMER_SHM_DIR": str(self.shm_dir)}
 
+    def wait_preloaded(self, timeout_s: float = 120) -> None:
+        """Return once the daemon's preloading at start is done (its stats say so): from then on
+        what it reads is what its loads read."""
+        deadline = time.monotonic() + timeout_s
+        while not self.stats().preloaded:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the daemon did not finish preloading in {timeout_s:g} s:\n{self.log.read_text()[-2000:]}")
+            time.sleep(0.05)
+
     def stats(self) -> DaemonStats:
         return DaemonStats.from_json(self.client.call("/v1/stats"))
 

@@ -83,6 +83,7 @@ class DaemonStats:
     sessions: tuple[SessionSummary, ...] = field(default_factory=tuple)  # joining or streaming
     finished: tuple[SessionSummary, ...] = field(default_factory=tuple)  # ended, newest last
     segments_prepared: int = 0  # made at start for the first load (SegmentPool.start_preparing)
+    preloaded: bool = True  # what the daemon prepares at start is done (daemon.preload)
 
     def to_json(self) -> dict:
         resident = asdict(self.resident)
@@ -95,6 +96,7 @@ class DaemonStats:
             "segments_idle": self.segments_idle,
             "segments_reused": self.segments_reused,
             "segments_prepared": self.segments_prepared,
+            "preloaded": self.preloaded,
             "bytes_read": self.bytes_read,
             **resident,
             "sessions": [s.to_json() for s in self.sessions],
