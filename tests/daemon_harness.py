@@ -20,7 +20,8 @@ import httpx
 # RANK_AWAIT_GO=1: once imported it says "ready" on stderr and waits for a line on stdin before it
 # loads; RANK_PAUSE_AFTER=n: after n tensors it says "paused" on stderr and waits for a line on
 # stdin; RANK_BORROWED=1: it asks for borrowed views; RANK_DEVICE=cuda:0: its tensors go to that
-# device (compared with safetensors' on the CPU).
+# device (compared with safetensors' on the CPU); RANK_SLICES={name: [[dim, start, stop], ...]}: it
+# asks for those slices (compared with safetensors' tensor narrowed and concatenated by torch).
 RANK_SCRIPT = textwrap.dedent(
     """
     import json, os, sys, time, torch, streamer_client
@@ -29,14 +30,15 @@ RANK_SCRIPT = textwrap.dedent(
     stall_after, slow_s = int(os.environ.get("RANK_STALL_AFTER", "-1")), float(os.environ.get("RANK_SLOW_S", "0"))
     pause_after, borrowed = int(os.environ.get("RANK_PAUSE_AFTER", "-1")), bool(os.environ.get("RANK_BORROWED"))
     device = os.environ.get("RANK_DEVICE", "cpu")
+    slices = json.loads(os.environ.get("RANK_SLICES", "null"))
     index = json.load(open(truth_dir + "/model.safetensors.index.json"))["weight_map"]
     if os.environ.get("RANK_AWAIT_GO"):
         print("ready", flush=True, file=sys.stderr)
         sys.stdin.readline()
     files = {}
-    got, bad = [], []
+    got, bad, received = [], [], 0
     try:
-        for name, t in streamer_client.stream(uri, select=select, rank=rank, world_size=world, borrowed=borrowed, device=device):
+        for name, t in streamer_client.stream(uri, select=select, rank=rank, world_size=world, borrowed=borrowed, device=device, slices=slices):
             if len(got) == stall_after:
                 print("stalled", flush=True, file=sys.stderr)
                 time.sleep(3600)
@@ -48,15 +50,18 @@ RANK_SCRIPT = textwrap.dedent(
             if shard not in files:
                 files[shard] = safe_open(truth_dir + "/" + shard, "pt")
             want, t = files[shard].get_tensor(name), t.cpu()
-            if not (want.dtype == t.dtype and want.shape == t.shape and torch.equal(want, t)):
+            if slices and name in slices:
+                want = torch.cat([want.narrow(d, a, b - a) for d, a, b in slices[name]], slices[name][0][0])
+            received += t.nelement() * t.element_size()
+            if not (want.dtype == t.dtype and want.shape == t.shape and torch.equal(want.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))):
                 bad.append(name)
             got.append(name)
             print("got", name, flush=True, file=sys.stderr)
     except streamer_client.errors.StreamerError as exc:  # what was delivered before it, and the error
         error = {"type": type(exc).__name__, "message": str(exc), "uri": exc.uri, "key": exc.key}
-        print(json.dumps({"rank": rank, "got": got, "bad": bad, "error": error}))
+        print(json.dumps({"rank": rank, "got": got, "bad": bad, "received": received, "error": error}))
         sys.exit(3)
-    print(json.dumps({"rank": rank, "got": got, "bad": bad}))
+    print(json.dumps({"rank": rank, "got": got, "bad": bad, "received": received}))
     """
 )
 

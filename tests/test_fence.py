@@ -205,8 +205,8 @@ def test_a_page_locked_batch_whose_segment_changed_before_its_copies_landed_rais
     from test_cuda import FakeCudart
     from test_segments import LateCopier
 
-    from streamer_client.daemon import _Receiver
     from streamer_client.pinning import HostPinner
+    from streamer_client.receiver import Receiver
     from streamer_client.segments import segment_maps
 
     d = daemon({"STREAMER_SLOT_SIZE": "1MiB"}, "--shm-budget", "4MiB")
@@ -214,7 +214,7 @@ def test_a_page_locked_batch_whose_segment_changed_before_its_copies_landed_rais
     joined = client.call(protocol.JOIN_PATH, {"uri": str(sample), "session": "pinned", "rank": 0, "world_size": 1, "fence": True})
     segment_maps(d.shm_dir)._pinner = HostPinner(FakeCudart())
     fence = Fence(d.shm_dir / joined["generations"], joined["session_id"])
-    receiver = _Receiver(client, d.shm_dir, joined["session_id"], 0, torch.device("cpu"), False, fence=fence)
+    receiver = Receiver(client, d.shm_dir, joined["session_id"], 0, torch.device("cpu"), False, fence=fence)
     receiver._copier = LateCopier()
     tensors = receiver.run()
     first, _ = next(tensors)  # yielded, its batch's copies not landed yet

@@ -76,14 +76,23 @@ def test_request_bodies_are_accepted_by_the_daemon_as_the_client_builds_them():
         protocol.MetadataRequest("s3://b/m", None, "launch"),
         protocol.JoinRequest(uri="s3://b/m", session="k", rank=1, world_size=2, select=["a."], priority=None, launch_id="l"),
         protocol.JoinRequest(uri="s3://b/m", session="k", rank=0, world_size=1, pins=True),
+        protocol.JoinRequest(uri="s3://b/m", session="k", rank=0, world_size=1, slices={"w": [[1, 0, 8], [1, 16, 24]]}),
         protocol.NextRequest([0, 1], 0.5),
         protocol.LeaveRequest("RuntimeError: boom"),
         protocol.LeaveRequest(),
     ]
     for body in bodies:
         parsed = getattr(api, type(body).__name__).model_validate(json.loads(json.dumps(body.to_wire())))
-        assert parsed.model_dump() == body.to_wire()
+        assert parsed.model_dump(exclude_unset=True) == body.to_wire()
     assert protocol.MetadataReply.from_wire(_wire(protocol.MetadataReply("/cache/x"))) == protocol.MetadataReply("/cache/x")
+
+
+def test_a_join_request_without_slices_leaves_the_field_off_the_wire_for_a_daemon_from_before_them():
+    body = protocol.JoinRequest(uri="s3://b/m", session="k", rank=0, world_size=1)
+    assert "slices" not in body.to_wire()
+    assert protocol.JoinRequest(uri="s", session="k", rank=0, world_size=1, slices={"w": [[0, 0, 1]]}).to_wire()["slices"] == {
+        "w": [[0, 0, 1]]
+    }
 
 
 def test_a_join_reply_carries_the_segments_page_size_whether_they_are_in_memory_and_the_ring_and_an_older_daemon_s_reads_as_unknown():
@@ -96,21 +105,21 @@ def test_a_join_reply_carries_the_segments_page_size_whether_they_are_in_memory_
 
 
 def test_a_cuda_rank_stages_segments_in_memory_and_a_first_load_of_small_page_ones_with_auto(monkeypatch):
-    from streamer_client import daemon
+    from streamer_client import receiver
 
-    monkeypatch.setattr(daemon.copier, "available", lambda: True)
-    assert daemon._staged("auto", reloading=False, huge_pages=False)
-    assert not daemon._staged("auto", reloading=True, huge_pages=False)
-    assert not daemon._staged("auto", reloading=False, huge_pages=True)  # registering huge pages is cheap
-    assert not daemon._staged("auto", reloading=False, huge_pages=False, recycled=True)  # a ring's slots: registered once
+    monkeypatch.setattr(receiver.copier, "available", lambda: True)
+    assert receiver.staged("auto", reloading=False, huge_pages=False)
+    assert not receiver.staged("auto", reloading=True, huge_pages=False)
+    assert not receiver.staged("auto", reloading=False, huge_pages=True)  # registering huge pages is cheap
+    assert not receiver.staged("auto", reloading=False, huge_pages=False, recycled=True)  # a ring's slots: registered once
     # Segments whole in memory are staged, first load or reload, small pages or huge.
     assert all(
-        daemon._staged("auto", reloading, huge, from_memory=True, recycled=recycled)
+        receiver.staged("auto", reloading, huge, from_memory=True, recycled=recycled)
         for reloading in (False, True) for huge in (False, True) for recycled in (False, True)
     )  # fmt: skip
-    assert [daemon._staged(p, False, huge) for p in ("never", "always") for huge in (False, True)] == [True, True, False, False]
-    monkeypatch.setattr(daemon.copier, "available", lambda: False)  # no copier: no staging ring either
-    assert not daemon._staged("auto", reloading=False, huge_pages=False)
+    assert [receiver.staged(p, False, huge) for p in ("never", "always") for huge in (False, True)] == [True, True, False, False]
+    monkeypatch.setattr(receiver.copier, "available", lambda: False)  # no copier: no staging ring either
+    assert not receiver.staged("auto", reloading=False, huge_pages=False)
 
 
 def test_error_texts_are_clipped_to_the_limit_keeping_start_end_and_the_count():

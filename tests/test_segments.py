@@ -30,12 +30,13 @@ from test_cuda import FakeCudart
 
 import streamer_client
 from streamer_client import delivery
-from streamer_client.daemon import DaemonClient, _Receiver
+from streamer_client.daemon import DaemonClient
 from streamer_client.dtypes import torch_layout
 from streamer_client.fence import Fence
 from streamer_client.host_memory import anonymous
 from streamer_client.pinning import HostPinner
 from streamer_client.protocol import Handle
+from streamer_client.receiver import Receiver
 from streamer_client.segments import POPULATE_PIECE, SegmentMaps, segment_maps
 
 
@@ -284,7 +285,7 @@ def test_a_release_known_after_the_next_request_still_reaches_the_daemon(sample,
     joined = client.call("/v1/sessions/join", {"uri": str(sample), "session": "late", "rank": 0, "world_size": 1, "fence": True})
     segment_maps(d.shm_dir)._pinner = HostPinner(FakeCudart())
     fence = Fence(d.shm_dir / joined["generations"], joined["session_id"])
-    receiver = _Receiver(client, d.shm_dir, joined["session_id"], 0, torch.device("cpu"), False, fence=fence)
+    receiver = Receiver(client, d.shm_dir, joined["session_id"], 0, torch.device("cpu"), False, fence=fence)
     receiver._copier = LateCopier()  # the device path of the receiver, without a GPU
     got: dict[str, torch.Tensor] = {}
     worker = threading.Thread(target=lambda: got.update(receiver.run()), daemon=True)
@@ -390,14 +391,14 @@ def small_staging_ring(monkeypatch):
     monkeypatch.setattr(delivery, "_RING", ring)
 
 
-def _device_receiver(d, uri: str, session: str, path: str) -> tuple[_Receiver, DeferredCopier]:
+def _device_receiver(d, uri: str, session: str, path: str) -> tuple[Receiver, DeferredCopier]:
     """A joined rank's receiver on its device paths without a GPU (``path``: page-locked or staged):
     the copier double above, its segments page-locked through the fake CUDA runtime."""
     client = DaemonClient(d.socket)
     joined = client.call("/v1/sessions/join", {"uri": uri, "session": session, "rank": 0, "world_size": 1, "fence": True})
     segment_maps(d.shm_dir)._pinner = HostPinner(FakeCudart())
     fence = Fence(d.shm_dir / joined["generations"], joined["session_id"])
-    receiver = _Receiver(client, d.shm_dir, joined["session_id"], 0, torch.device("cpu"), False, fence=fence)
+    receiver = Receiver(client, d.shm_dir, joined["session_id"], 0, torch.device("cpu"), False, fence=fence)
     receiver._copier = copies = DeferredCopier(functools.partial(_holds, d, joined["session_id"]))
     receiver._stage = path == "staged"
     return receiver, copies
@@ -551,7 +552,7 @@ def test_a_handle_that_does_not_fit_its_segment_is_refused_before_a_byte_is_read
     _write(shm_dir / "streamer-1-aa-1", data)
     segment_maps(shm_dir)._pinner = HostPinner(FakeCudart())
     fence = Fence(shm_dir / "streamer-1-aa.generations", "s")  # no daemon: the table is never read here
-    receiver = _Receiver(DaemonClient(shm_dir / "no.sock"), shm_dir, "s", 0, torch.device("cpu"), borrowed, fence=fence)
+    receiver = Receiver(DaemonClient(shm_dir / "no.sock"), shm_dir, "s", 0, torch.device("cpu"), borrowed, fence=fence)
     try:
         fits = Handle(0, "streamer-1-aa-1", 4096, 8192, "w", "F32", (2048,), False)
         assert receiver._source(fits).tobytes() == data[4096:]

@@ -18,11 +18,11 @@ import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import errors
+from . import errors, slicing
 from .errors import StreamerError
 from .launch import resolve_launch_id
 from .request import StreamRequest
@@ -30,6 +30,8 @@ from .settings import DEFAULT_SOCKET, Settings, parse_argument
 
 if TYPE_CHECKING:
     import torch
+
+    from .slicing import Slice
 
 __all__ = ["pull_metadata", "stream", "load_state_dict", "errors", "StreamerError", "__version__"]
 
@@ -125,6 +127,7 @@ def stream(
     *,
     select: str | Sequence[str] | None = None,
     priority: str | Sequence[str] | None = None,
+    slices: Mapping[str, Slice | Sequence[Slice]] | None = None,
     rank: int = 0,
     world_size: int = 1,
     device: str = "cpu",
@@ -143,6 +146,12 @@ def stream(
     ``priority`` prefixes are delivered first. A name or prefix that matches
     nothing, a duplicate or an overlap raises ``SelectionError`` here, before any
     tensor data is read.
+
+    ``slices`` maps selected tensor names to the part of each this rank keeps:
+    ``(dim, start, stop)`` in the torch tensor's coordinates (``narrow(dim, start,
+    stop - start)``), or a list of them along one dim, concatenated in order (a fused
+    layout). The rank receives and copies only those bytes (docs/client.md, "Slices");
+    a bound outside its tensor raises ``SelectionError`` before any read.
 
     Tensors are safe to keep. ``borrowed=True`` yields zero-copy CPU views that
     stay valid only until the next item is requested (docs/client.md).
@@ -170,6 +179,7 @@ def stream(
         uri=os.fspath(uri) if isinstance(uri, os.PathLike) else uri,
         select=_names(select),
         priority=_names(priority),
+        slices=slicing.parse(slices),
         rank=rank,
         world_size=world_size,
         device=device,

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from . import copier
-from .dtypes import byte_view, tensor_over, torch_layout
+from .dtypes import tensor_over, torch_layout
 from .host_memory import anonymous, fault_in
 from .leases import Leases
 
@@ -82,31 +82,45 @@ def empty(dtype: str, shape: Sequence[int], device: torch.device) -> torch.Tenso
 
 
 def copy_to_cpu(
-    items: Sequence[tuple[np.ndarray, str, Sequence[int]]], fault: Callable[[int], BaseException]
+    items: Sequence[
+        tuple[np.ndarray, str, Sequence[int]] | tuple[np.ndarray, str, Sequence[int], Sequence[tuple[int, int]] | None]
+    ],
+    fault: Callable[[int], BaseException],
 ) -> list[torch.Tensor]:
-    """Owned CPU tensors with the bytes of ``items`` (``(uint8 view, dtype, shape)``), copied
-    on the native copier's threads; ``fault(i)``: the error of item ``i`` whose source hit SIGBUS."""
-    outs = [empty(dtype, shape, torch.device("cpu")) for _, dtype, shape in items]
-    copies = [(byte_view(out), view) for out, (view, _, _) in zip(outs, items) if view.nbytes]
-    if copier.available() and copies:
-        index = [i for i, (view, _, _) in enumerate(items) if view.nbytes]
-        dsts, srcs, sizes = (
-            [dst.data_ptr() for dst, _ in copies],
-            [view.ctypes.data for _, view in copies],
-            [v.nbytes for _, v in copies],
-        )
+    """Owned CPU tensors with the bytes of ``items`` (``(uint8 view, dtype, shape)``, or with a
+    fourth member, the ``(offset in view, nbytes)`` runs the tensor is gathered from, in order),
+    copied on the native copier's threads; ``fault(i)``: the error of item ``i`` whose source hit
+    SIGBUS."""
+    outs = [empty(item[1], item[2], torch.device("cpu")) for item in items]
+    dsts: list[int] = []
+    srcs: list[int] = []
+    sizes: list[int] = []
+    index: list[int] = []  # the item of each run copied
+    for i, (item, out) in enumerate(zip(items, outs)):
+        view = item[0]
+        runs = item[3] if len(item) > 3 and item[3] is not None else ((0, view.nbytes),)
+        dst, src, at = out.data_ptr(), view.ctypes.data, 0
+        for offset, nbytes in runs:
+            if nbytes:
+                dsts.append(dst + at)
+                srcs.append(src + offset)
+                sizes.append(nbytes)
+                index.append(i)
+                at += nbytes
+    if copier.available() and sizes:
         if sum(sizes) >= _NATIVE_MIN_BYTES:
-            for dst, size in zip(dsts, sizes):
+            for out in outs:
+                size = out.numel() * out.element_size()
                 if size >= _HUGE_MIN_BYTES:
-                    copier.advise_huge(dst, size)  # before the copying threads first touch it
+                    copier.advise_huge(out.data_ptr(), size)  # before the copying threads first touch it
             failed = copier.copy(dsts, srcs, sizes)
         else:
             failed = copier.copy_here(dsts, srcs, sizes)
         if failed >= 0:
             raise fault(index[failed])
     else:  # no native copier: nothing to guard a copy with
-        for dst, view in copies:
-            dst.numpy()[:] = view
+        for dst, src, nbytes in zip(dsts, srcs, sizes):
+            _memmove(dst, src, nbytes)
     return outs
 
 

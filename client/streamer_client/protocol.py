@@ -96,9 +96,16 @@ class JoinRequest(NamedTuple):
     # The rank checks segment generations (Handle.entry, .generation): its NextRequest asks for them
     # too. A daemon from before the fence refuses the field (the client then says to upgrade it).
     fence: bool = False
+    # The parts of tensors the rank keeps (streamer_client.slicing.to_wire): checked against the
+    # checkpoint at the join. Left off the wire when None: a daemon from before slices refuses the
+    # field, and only a rank that slices needs one that takes it.
+    slices: dict[str, list[list[int]]] | None = None
 
     def to_wire(self) -> dict:
-        return self._asdict()
+        wire = self._asdict()
+        if wire["slices"] is None:
+            del wire["slices"]
+        return wire
 
 
 class NextRequest(NamedTuple):

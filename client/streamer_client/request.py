@@ -13,6 +13,7 @@ from pathlib import Path
 
 from .errors import ConfigError
 from .settings import parse_argument
+from .slicing import Slices
 
 __all__ = ["StreamRequest", "target"]
 
@@ -31,6 +32,7 @@ class StreamRequest:
     progress: str = "off"  # the bar mode, already checked: off | on | auto
     budget: int | str | None = None  # in-process buffer budget; None: STREAMER_SHM_BUDGET
     cache_dir: Path | None = None  # in-process metadata cache; None: STREAMER_CACHE_DIR
+    slices: Slices | None = None  # the parts of tensors this rank keeps (streamer_client.slicing), parsed
 
     def __post_init__(self) -> None:
         """The checks both modes share, before a daemon is asked or storage is read."""

@@ -34,10 +34,12 @@ from __future__ import annotations
 import bisect
 import enum
 import mmap
-from collections.abc import Sequence, Set
+from collections.abc import Mapping, Sequence, Set
+from types import MappingProxyType
 from typing import NamedTuple
 
 from streamer_client.errors import ConfigError, SelectionError
+from streamer_client.slicing import Cut
 
 from .header import TensorInfo
 
@@ -262,11 +264,13 @@ class Batch(NamedTuple):
 
 
 class Plan(NamedTuple):
-    """Batches in delivery order, for slots of ``slot_size`` bytes with ranges aligned to ``align``."""
+    """Batches in delivery order, for slots of ``slot_size`` bytes with ranges aligned to ``align``;
+    ``cuts``: the tensors a load cuts after it read them (``checkpoint.slices.sliced``), by name."""
 
     batches: tuple[Batch, ...]
     slot_size: int
     align: int
+    cuts: Mapping[str, Cut] = MappingProxyType({})
 
     @property
     def tensors(self) -> tuple[TensorInfo, ...]:

@@ -29,7 +29,7 @@ import anyio.to_thread
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
@@ -49,6 +49,9 @@ __all__ = ["PEER_PID", "PeerCredentialsProtocol", "create_app"]
 log = logging.getLogger(__name__)
 
 MAX_LIST = 100_000  # selection entries / releases in one request
+MAX_PIECES = 1024  # slices of one tensor (a fused layout's pieces)
+
+_Piece = Annotated[list[StrictInt], Field(min_length=3, max_length=3)]  # (dim, start, stop)
 MAX_WAIT_S = 10.0
 # Refused before anything is parsed: 100k selection entries of ~100-byte names fit in 16 MiB.
 MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -148,6 +151,10 @@ class JoinRequest(_Model):
     pins: bool = Field(default=False, strict=True)  # the rank may page-lock segments (JoinReply.ring_slots)
     dtypes: list[Annotated[str, Field(max_length=64)]] | None = Field(default=None, max_length=256)  # the rank's torch's
     fence: bool = Field(default=False, strict=True)  # the rank checks segment generations (JoinReply.generations)
+    # The parts of tensors the rank keeps (streamer_client.slicing): name -> its pieces.
+    slices: (
+        dict[Annotated[str, Field(max_length=4096)], Annotated[list[_Piece], Field(min_length=1, max_length=MAX_PIECES)]] | None
+    ) = Field(default=None, max_length=MAX_LIST)
 
     @field_validator("select", "priority")
     @classmethod
@@ -297,6 +304,7 @@ def create_app(settings: Settings) -> FastAPI:
                 force=body.force,
                 pins=body.pins,
                 dtypes=body.dtypes,
+                slices=body.slices,
                 peer_pid=request.scope.get(PEER_PID),
             )
             session.on_joined(functools.partial(_wake, loop, others_joined))
@@ -311,7 +319,7 @@ def create_app(settings: Settings) -> FastAPI:
         # the same dir elsewhere.
         store = daemon(request).store
         return JoinReply(
-            session.id, rank.to_hand_out, rank.nbytes, str(session.checkpoint.metadata_dir), str(store.shm_dir),
+            session.id, rank.to_hand_out, rank.keeps, str(session.checkpoint.metadata_dir), str(store.shm_dir),
             store.pages.size, session.from_memory(body.rank), session.ring_slots(body.rank),
             store.generations.name if body.fence else None,
         ).to_wire()  # fmt: skip

@@ -10,10 +10,11 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from streamer_client import slicing
 from streamer_client.dtypes import WITH_TORCH_DTYPE, check_loadable
 from streamer_client.errors import SessionError, StreamerError
 
@@ -223,26 +224,29 @@ class Daemon:
         force: bool | None = None,
         pins: bool = False,
         dtypes: Sequence[str] | None = None,
+        slices: Mapping[str, list[list[int]]] | None = None,
         peer_pid: int | None = None,
     ) -> Session:
         """Join ``rank`` to the group's session ``key``; ``pins``: the rank may page-lock the
         segments it copies from; ``dtypes``: the safetensors dtypes the rank's torch has (None:
-        every one of the table's with a torch dtype); ``peer_pid``: the rank's process, where the
-        unix socket tells it.
-        Returns once the rank is in the session, without waiting for the others:
-        ``Session.on_joined``, then ``Session.joined``."""
+        every one of the table's with a torch dtype); ``slices``: the parts of tensors the rank keeps
+        (checked here; the rank cuts them); ``peer_pid``: the rank's process, where the unix socket tells it.
+        Returns once the rank is in the session, without waiting for the others: ``Session.on_joined``, then ``joined``."""
         self._refuse_if_stopping(key, rank, uri)
         self._told_of_refusal(key, rank)
         try:
-            parsed, checkpoint, chosen = self._admit(uri, rank, world_size, select, priority, launch_id, force, dtypes)
+            parsed, checkpoint, chosen, keeps = self._admit(
+                uri, rank, world_size, select, priority, launch_id, force, dtypes, slices
+            )
         except StreamerError as exc:
             self._refuse(key, rank, world_size, exc)
             raise
         session = self._join_session(key, rank, world_size, parsed, checkpoint)
-        session.add(rank, world_size, chosen, priority, ProcessWatch.of(peer_pid), pins=pins)
+        state = session.add(rank, world_size, chosen, priority, ProcessWatch.of(peer_pid), pins=pins)
+        state.keeps = keeps  # read once the session started, for the rank's join reply
         return session
 
-    def _admit(self, uri, rank, world_size, select, priority, launch_id, force, dtypes):
+    def _admit(self, uri, rank, world_size, select, priority, launch_id, force, dtypes, slices):
         """Everything a join can be refused for, checked before a session exists: a refused join
         must not leave an empty session behind."""
         parsed = self.check_allowed(uri)
@@ -257,7 +261,8 @@ class Daemon:
         chosen = select_tensors(checkpoint.catalog.tensors, select, priority)
         have = WITH_TORCH_DTYPE if dtypes is None else frozenset(dtypes)
         check_loadable(chosen, uri=parsed.normalized, have=have, whose=f"rank {rank}'s torch")
-        return parsed, checkpoint, chosen
+        kept = slicing.cuts(chosen, slicing.parse(slices), uri=parsed.normalized)
+        return parsed, checkpoint, chosen, sum(kept[t.name].nbytes if t.name in kept else t.nbytes for t in chosen)
 
     @contextlib.contextmanager
     def _opening_lock(self, cache_key: str) -> Iterator[None]:

@@ -54,7 +54,7 @@ UNLEASED_SHARE = 16
 class RankState:
     rank: int
     names: frozenset[str]
-    nbytes: int
+    nbytes: int  # of the tensors it selected, whole: what it is handed
     queue: deque[Handle] = field(default_factory=deque)
     outstanding: set[int] = field(default_factory=set)  # batches leased to this rank
     held: set[int] = field(default_factory=set)  # of those, the ones handed to it: what it may release
@@ -66,6 +66,7 @@ class RankState:
     asking: int = 0  # requests of this rank waiting for handles: it is not silent while it waits for us
     polls: int = 0  # requests for handles so far: a newer one answers in place of those still waiting
     process: ProcessWatch | None = None  # the rank's process, where the daemon can see it
+    keeps: int = 0  # of those bytes, the ones it keeps: fewer where it slices tensors (its join reply says it)
 
     @property
     def received_everything(self) -> bool:
@@ -99,7 +100,7 @@ class RankLedger:
     def add(
         self, rank: int, names: frozenset[str], nbytes: int, count: int, process: ProcessWatch | None, now: float
     ) -> RankState:
-        state = RankState(rank, names, nbytes, to_hand_out=count, last_seen=now, process=process)
+        state = RankState(rank, names, nbytes, to_hand_out=count, last_seen=now, process=process, keeps=nbytes)
         self.ranks[rank] = state
         return state
 

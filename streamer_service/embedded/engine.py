@@ -13,8 +13,9 @@ one of two ways (docs/architecture.md), each in a module of its own, imported wh
 
 from __future__ import annotations
 
+import contextlib
 import mmap
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -23,10 +24,12 @@ import torch
 from streamer_client.dtypes import check_loadable
 from streamer_client.errors import BorrowedTensorError, ConfigError
 from streamer_client.request import target
+from streamer_client.slicing import Cut, Slices, cuts, take
 
 from ..checkpoint.catalog import Catalog
 from ..checkpoint.plan import DEFAULT_ALIGN, Plan, build_plan
 from ..checkpoint.plan import select as select_tensors
+from ..checkpoint.slices import sliced
 from ..checkpoint.versions import ObjectVersions
 from ..readers.base import ReaderFactory
 from ..readers.choice import reader_for, reads_mappings
@@ -115,11 +118,14 @@ class EmbeddedEngine:
         self._reader_factory = reader_factory  # None: readers.choice.reader_for the URI and the device
         self._pool = pool  # page-locked slots of CUDA loads (default: the process's pool)
 
-    def plan(self, select: list[str] | None = None, priority: list[str] | None = None) -> Plan:
+    def plan(self, select: list[str] | None = None, priority: list[str] | None = None, slices: Slices | None = None) -> Plan:
         """Select (names / prefixes, see :func:`streamer_service.checkpoint.plan.select`) and plan for this
-        engine's slots. Raises :class:`SelectionError` without reading anything."""
+        engine's slots; with ``slices`` (:mod:`streamer_client.slicing`) each sliced tensor is read only
+        over the rows that hold its slice, and :meth:`stream` cuts it (``Plan.cuts``). Raises
+        :class:`SelectionError` without reading anything."""
         tensors = select_tensors(self.catalog.tensors, select, priority)
-        return build_plan(tensors, self.config.slot_size, align=self.config.align)
+        tensors, within = sliced(tensors, cuts(tensors, slices, uri=self.uri.normalized))
+        return build_plan(tensors, self.config.slot_size, align=self.config.align)._replace(cuts=within)
 
     def stream(
         self, plan: Plan, *, device: str | torch.device = "cpu", borrowed: bool = False
@@ -132,6 +138,8 @@ class EmbeddedEngine:
         """
         device = target(device, borrowed)
         self._check_plan(plan)
+        if plan.cuts:
+            return _cut(self._run(plan, device, borrowed), plan.cuts, borrowed)
         return self._run(plan, device, borrowed)
 
     def _check_plan(self, plan: Plan) -> None:
@@ -165,3 +173,14 @@ class EmbeddedEngine:
 
     def __repr__(self) -> str:
         return f"EmbeddedEngine({self.uri.normalized!r}, {self.config}, {self.stats})"
+
+
+def _cut(
+    tensors: Iterator[tuple[str, torch.Tensor]], cuts: Mapping[str, Cut], borrowed: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``tensors`` with those ``cuts`` names cut: a new tensor of the slice's bytes, or where
+    ``borrowed`` and the slice is one piece, a view of the borrowed tensor."""
+    with contextlib.closing(tensors):
+        for name, tensor in tensors:
+            c = cuts.get(name)
+            yield name, tensor if c is None else take(tensor, c, view=borrowed)

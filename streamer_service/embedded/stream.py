@@ -29,9 +29,9 @@ def stream(request: StreamRequest, settings: Settings) -> Iterator[tuple[str, to
     versions = ObjectVersions.of(checkpoint, settings)
     engine = EmbeddedEngine(checkpoint.uri, checkpoint.catalog, EngineConfig.from_settings(settings), versions=versions)
     select = list(request.select) if request.select is not None else None
-    plan = engine.plan(select, list(request.priority) if request.priority else None)
+    plan = engine.plan(select, list(request.priority) if request.priority else None, request.slices)
     tensors = engine.stream(plan, device=request.device, borrowed=request.borrowed)
     if request.progress == "off":
         return tensors
-    total = sum(t.nbytes for t in plan.tensors)
+    total = sum(plan.cuts[t.name].nbytes if t.name in plan.cuts else t.nbytes for t in plan.tensors)
     return track(tensors, total=total, desc=checkpoint.uri.normalized, mode=request.progress)
