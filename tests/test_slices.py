@@ -132,7 +132,7 @@ def test_a_cuts_runs_are_the_bytes_torch_narrows_to(dtype):
         for pieces in ([(0, size)], [(1, size - 1)], [(size - 1, size), (0, 1)], [(0, 1), (0, 1)], [(1, 1)]):
             c = slicing.cut(Info, dim, pieces)
             want = _expected(t, [(dim, a, b) for a, b in pieces])
-            gathered = torch.cat([flat[o : o + n] for o, n in c.chunks()] or [flat[:0]])
+            gathered = torch.cat([flat[o : o + n] for o, n in zip(*c.runs())] or [flat[:0]])
             assert torch.equal(gathered, want.reshape(-1).view(torch.uint8)), (dim, pieces)
             assert c.shape == tuple(want.shape) and c.nbytes == gathered.numel()
             assert _same(slicing.take(t, c), want) and _same(slicing.take(t, c, view=True).contiguous(), want)

@@ -147,4 +147,8 @@ def advise_huge(address: int, nbytes: int) -> bool:
 
 
 def _words(values: Sequence[int]) -> bytes:
-    return values.tobytes() if isinstance(values, array) else array("Q", values).tobytes()
+    """``values`` as native unsigned 64-bit words: an ``array('Q')`` or a numpy ``uint64`` array as
+    they are, any other sequence of ints converted."""
+    if isinstance(values, array) or getattr(values, "dtype", None) == "uint64":
+        return values.tobytes()
+    return array("Q", values).tobytes()

@@ -55,6 +55,7 @@ copying to the device), made of :func:`~streamer_client.host_memory.anonymous` m
 on the copier's threads and registered once per process, on its first staged load."""
 
 _Key = TypeVar("_Key")  # what names a batch staged by Staging.copy_batch
+Runs = tuple[np.ndarray, np.ndarray]  # (offsets, sizes) of the runs a tensor is gathered from
 
 _HUGE_MIN_BYTES = 4 * 1024 * 1024
 """Owned CPU tensors of this size or more are advised for transparent huge pages before they are
@@ -82,45 +83,45 @@ def empty(dtype: str, shape: Sequence[int], device: torch.device) -> torch.Tenso
 
 
 def copy_to_cpu(
-    items: Sequence[
-        tuple[np.ndarray, str, Sequence[int]] | tuple[np.ndarray, str, Sequence[int], Sequence[tuple[int, int]] | None]
-    ],
+    items: Sequence[tuple[np.ndarray, str, Sequence[int]] | tuple[np.ndarray, str, Sequence[int], Runs | None]],
     fault: Callable[[int], BaseException],
 ) -> list[torch.Tensor]:
     """Owned CPU tensors with the bytes of ``items`` (``(uint8 view, dtype, shape)``, or with a
-    fourth member, the ``(offset in view, nbytes)`` runs the tensor is gathered from, in order),
-    copied on the native copier's threads; ``fault(i)``: the error of item ``i`` whose source hit
-    SIGBUS."""
+    fourth member, the runs of the view the tensor is gathered from, in order: ``(offsets,
+    sizes)`` arrays, :meth:`streamer_client.slicing.Cut.runs`), copied on the native copier's
+    threads; ``fault(i)``: the error of item ``i`` whose source hit SIGBUS."""
     outs = [empty(item[1], item[2], torch.device("cpu")) for item in items]
-    dsts: list[int] = []
-    srcs: list[int] = []
-    sizes: list[int] = []
-    index: list[int] = []  # the item of each run copied
+    dsts, srcs, sizes, index = [], [], [], []  # per item: arrays of its copies, and its number
     for i, (item, out) in enumerate(zip(items, outs)):
         view = item[0]
-        runs = item[3] if len(item) > 3 and item[3] is not None else ((0, view.nbytes),)
-        dst, src, at = out.data_ptr(), view.ctypes.data, 0
-        for offset, nbytes in runs:
-            if nbytes:
-                dsts.append(dst + at)
-                srcs.append(src + offset)
-                sizes.append(nbytes)
-                index.append(i)
-                at += nbytes
-    if copier.available() and sizes:
-        if sum(sizes) >= _NATIVE_MIN_BYTES:
-            for out in outs:
-                size = out.numel() * out.element_size()
-                if size >= _HUGE_MIN_BYTES:
-                    copier.advise_huge(out.data_ptr(), size)  # before the copying threads first touch it
-            failed = copier.copy(dsts, srcs, sizes)
+        runs = item[3] if len(item) > 3 else None
+        if runs is None:
+            offsets, lengths = np.zeros(1, np.int64), np.array([view.nbytes], np.int64)
         else:
-            failed = copier.copy_here(dsts, srcs, sizes)
+            offsets, lengths = runs
+        if not lengths.sum():
+            continue
+        dsts.append(out.data_ptr() + np.cumsum(lengths) - lengths)
+        srcs.append(view.ctypes.data + offsets)
+        sizes.append(lengths)
+        index.append(np.full(len(lengths), i))
+    if not sizes:
+        return outs
+    dst, src, size = (np.concatenate(v).astype(np.uint64) for v in (dsts, srcs, sizes))
+    if copier.available():
+        if int(size.sum()) >= _NATIVE_MIN_BYTES:
+            for out in outs:
+                nbytes = out.numel() * out.element_size()
+                if nbytes >= _HUGE_MIN_BYTES:
+                    copier.advise_huge(out.data_ptr(), nbytes)  # before the copying threads first touch it
+            failed = copier.copy(dst, src, size)
+        else:
+            failed = copier.copy_here(dst, src, size)
         if failed >= 0:
-            raise fault(index[failed])
+            raise fault(int(np.concatenate(index)[failed]))
     else:  # no native copier: nothing to guard a copy with
-        for dst, src, nbytes in zip(dsts, srcs, sizes):
-            _memmove(dst, src, nbytes)
+        for d, s_, n in zip(dst.tolist(), src.tolist(), size.tolist()):
+            _memmove(d, s_, n)
     return outs
 
 

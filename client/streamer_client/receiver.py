@@ -314,7 +314,7 @@ class Receiver:
             self._cuts[h.name] = None if c.whole else c
         return self._cuts[h.name]
 
-    def _item(self, h: Handle) -> tuple[np.ndarray, str, tuple[int, ...], list[tuple[int, int]] | None]:
+    def _item(self, h: Handle) -> tuple[np.ndarray, str, tuple[int, ...], delivery.Runs | None]:
         """What this rank receives of ``h``: a view of the bytes, the dtype and shape of the tensor
         it yields, and where its slice is several runs of the view, those runs (``None``: the view
         is the tensor's bytes). A slice of one run is a view of just that run."""
@@ -322,13 +322,13 @@ class Receiver:
         c = self._cut(h)
         if c is None:
             return view, h.dtype, tuple(h.shape), None
-        runs = c.chunks()
-        if len(runs) > 1:
+        runs = c.runs()
+        if len(runs[0]) > 1:
             return view, h.dtype, c.header_shape, runs
-        offset, nbytes = runs[0] if runs else (0, 0)
+        offset, nbytes = (int(runs[0][0]), int(runs[1][0])) if len(runs[0]) else (0, 0)
         return view[offset : offset + nbytes], h.dtype, c.header_shape, None
 
-    def _gather(self, h: Handle, view: np.ndarray, shape: tuple[int, ...], runs: list[tuple[int, int]]) -> torch.Tensor:
+    def _gather(self, h: Handle, view: np.ndarray, shape: tuple[int, ...], runs: delivery.Runs) -> torch.Tensor:
         """The runs of ``h``'s slice gathered into a new CPU tensor (the copier's threads, guarded)."""
         return delivery.copy_to_cpu([(view, h.dtype, shape, runs)], functools.partial(handles.cut_short, [h]))[0]
 

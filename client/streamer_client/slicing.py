@@ -7,7 +7,7 @@ pieces concatenated along that dimension, in the order given (``torch.cat``). Pi
 overlap (replicated heads).
 
 A :class:`Cut` is a slice resolved against a tensor's dtype and shape: the shape it yields, the
-byte ranges of the tensor it is made of, in order (:meth:`Cut.chunks`), and the smallest run of
+byte ranges of the tensor it is made of, in order (:meth:`Cut.runs`), and the smallest run of
 whole rows of dimension 0 that holds them (:meth:`Cut.span`), which is what a load reads when it
 reads less than the whole tensor. A slice of dimension 0 is one run of bytes; a slice of a later
 dimension is one run per index of the dimensions before it, gathered where the bytes are copied
@@ -27,6 +27,7 @@ from .dtypes import DTYPES
 from .errors import ConfigError, SelectionError
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 __all__ = ["Cut", "Slice", "Slices", "cut", "cuts", "parse", "take", "to_wire"]
@@ -77,23 +78,23 @@ class Cut(NamedTuple):
         """Bytes of one index of :attr:`dim` (the dimensions after it)."""
         return math.prod(self.dims[self.dim + 1 :]) * self.itemsize
 
-    def chunks(self) -> list[tuple[int, int]]:
-        """The ``(offset in the tensor's bytes, nbytes)`` runs the slice is made of, in the order of
-        its bytes (runs that follow each other merged): one per piece and index of the dimensions
-        before :attr:`dim`."""
+    def runs(self) -> tuple[np.ndarray, np.ndarray]:
+        """The runs of the tensor's bytes the slice is made of, in the order of its bytes, as
+        ``(offsets, sizes)`` (int64 arrays; runs that follow each other merged): one per piece and
+        index of the dimensions before :attr:`dim`, so arrays, not lists, for a slice of a later
+        dimension of a large tensor."""
+        import numpy as np
+
         inner = self._inner()
-        row = self.dims[self.dim] * inner
-        runs: list[tuple[int, int]] = []
-        for outer in range(math.prod(self.dims[: self.dim])):
-            for a, b in self.pieces:
-                if b == a:
-                    continue
-                offset, size = outer * row + a * inner, (b - a) * inner
-                if runs and runs[-1][0] + runs[-1][1] == offset:
-                    runs[-1] = (runs[-1][0], runs[-1][1] + size)
-                else:
-                    runs.append((offset, size))
-        return runs
+        kept = [(a * inner, (b - a) * inner) for a, b in self.pieces if b > a]
+        if not kept:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        starts, sizes = (np.array(v, dtype=np.int64) for v in zip(*kept))
+        outer = np.arange(math.prod(self.dims[: self.dim]), dtype=np.int64) * (self.dims[self.dim] * inner)
+        offsets = (outer[:, None] + starts[None, :]).ravel()
+        sizes = np.broadcast_to(sizes, (len(outer), len(sizes))).ravel()
+        first = np.concatenate(([0], np.flatnonzero(offsets[1:] != offsets[:-1] + sizes[:-1]) + 1))
+        return offsets[first], np.add.reduceat(sizes, first)
 
     def span(self) -> tuple[int, int]:
         """``(first, stop)``: the rows of dimension 0 that hold every byte of the slice (all of them
