@@ -165,7 +165,7 @@ def test_no_part_imports_a_higher_one_or_its_sibling():
 
 def test_the_client_does_not_import_the_service():
     """The client finds its in-process backend through the entry point group
-    ``streamer_client.backends`` (streamer_client/in_process.py), never by importing the service."""
+    ``streamer_client.backends`` (streamer_client/_in_process.py), never by importing the service."""
     wrong = [
         f"{m} -> {t}"
         for m, ts in GRAPH.items()
@@ -179,7 +179,7 @@ def test_the_client_does_not_import_the_service():
 def test_the_service_registers_its_in_process_backend():
     import tomllib
 
-    from streamer_client import in_process
+    from streamer_client import _in_process as in_process
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["name"] == in_process.PROVIDER  # the distribution the client looks in first

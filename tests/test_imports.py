@@ -48,7 +48,7 @@ BLOCK_TORCH = textwrap.dedent(
         "streamer_service.daemon.api",
         "streamer_service.daemon.core",
         "streamer_service.daemon.server",
-        "streamer_client.connection",
+        "streamer_client._connection",
     ],
 )
 def test_the_daemon_does_not_import_torch(module):
@@ -144,7 +144,7 @@ def test_an_in_process_load_imports_nothing_heavy(sample, tmp_path, device):
 
 # The dataclasses a first load builds: those that check their fields on construction.
 IN_PROCESS_DATACLASSES = [
-    "streamer_client.request.StreamRequest",
+    "streamer_client._request.StreamRequest",
     "streamer_service.embedded.engine.EngineConfig",
 ]
 
@@ -155,7 +155,7 @@ def test_a_load_through_the_daemon_imports_nothing_heavy_nor_the_service(daemon,
     got = _light_load(sample, device, d.rank_env())
     assert (got["attempted"], got["loaded"]) == ([], [])
     assert not got["service"], "the rank fell back to loading in-process, or imported the service"
-    assert got["dataclasses"] == ["streamer_client.request.StreamRequest"]
+    assert got["dataclasses"] == ["streamer_client._request.StreamRequest"]
     assert got["devices"] == [device]
     assert got["digests"] == _digests(sample)
 
@@ -170,9 +170,9 @@ NOT_FOR_A_LOCAL_LOAD = (
     "streamer_service.storage.gcs",
     "streamer_service.storage.azure",
     "streamer_service.daemon",
-    "streamer_client.connection",
-    "streamer_client.daemon",
-    "streamer_client.protocol",
+    "streamer_client._connection",
+    "streamer_client._daemon",
+    "streamer_client._protocol",
 )
 OTHER_PATH = {
     "cpu": ("streamer_service.readers.mapped", "streamer_service.embedded.staged"),

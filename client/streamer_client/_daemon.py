@@ -1,6 +1,6 @@
 """Daemon mode: join the node daemon's load session, map its segments, yield tensors.
 
-The protocol is ``streamer_client.protocol`` (both sides import it; routes in
+The protocol is ``streamer_client._protocol`` (both sides import it; routes in
 ``streamer_service/daemon/api.py``). Segments are files in the daemon's shm dir (its join reply says
 where; ``STREAMER_SHM_DIR`` overrides that where the rank mounts the same dir elsewhere), mapped
 once per process and reused as the daemon recycles them (``segments``).
@@ -45,17 +45,20 @@ from pathlib import Path
 
 import torch
 
-from . import copier, errors, protocol, slicing
-from .connection import DaemonClient
-from .devices import resolve_device
-from .dtypes import torch_dtypes
+from . import _native_copier as copier
+from . import _protocol as protocol
+from . import _slicing as slicing
+from . import errors
+from ._connection import DaemonClient
+from ._devices import resolve_device
+from ._dtypes import torch_dtypes
+from ._fence import Fence, unfenced
+from ._progress import track
+from ._protocol import JoinReply
+from ._receiver import Receiver, leave
+from ._request import StreamRequest
+from ._settings import Settings
 from .errors import ConfigError
-from .fence import Fence, unfenced
-from .progress import track
-from .protocol import JoinReply
-from .receiver import Receiver, leave
-from .request import StreamRequest
-from .settings import Settings
 
 __all__ = ["DaemonClient", "daemon_stream"]  # DaemonClient: re-exported from .connection
 

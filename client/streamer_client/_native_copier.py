@@ -2,7 +2,7 @@
 
 Used wherever bytes already in memory (a mapped file, a mapped daemon segment) go into a buffer
 of ours: the embedded engine's mapped reader of local files (``streamer_service.readers.mapped``), and
-:mod:`streamer_client.delivery` (a rank's CPU tensors, and the pinned staging of its device
+:mod:`streamer_client._delivery` (a rank's CPU tensors, and the pinned staging of its device
 copies). One pool per process, made on first use; a forked child makes its own.
 
 The interpreter is involved twice per batch: :func:`submit` queues every range (split into
@@ -28,8 +28,8 @@ from array import array
 from collections.abc import Sequence
 from typing import Any
 
-from .per_process import PerProcess
-from .waits import slice_ms
+from ._per_process import PerProcess
+from ._waits import slice_ms
 
 try:
     from . import _copier

@@ -43,7 +43,7 @@ completed: :meth:`PinnedCopier.release_after` calls back then, from
 stream), so callbacks run in that order too.
 
 Page-locking (registration, its process-wide registry and the pageable fallback) is
-:mod:`streamer_client.pinning`'s.
+:mod:`streamer_client._pinning`'s.
 
 Not thread-safe: one thread drives a copier.
 """
@@ -58,10 +58,10 @@ from typing import Any, Protocol
 
 import torch
 
-from .counters import Counters
-from .devices import resolve_device
+from ._counters import Counters
+from ._devices import resolve_device
+from ._pinning import Cudart, HostPinner, registered_ranges
 from .errors import ConfigError
-from .pinning import Cudart, HostPinner, registered_ranges
 
 # HostPinner and registered_ranges are .pinning's; importing them from here works too.
 __all__ = [
@@ -241,7 +241,7 @@ class PinnedCopier:
         (:meth:`release_after`). The result is owned: nothing reuses its memory.
         """
         if isinstance(dtype, str):
-            from .dtypes import torch_layout
+            from ._dtypes import torch_layout
 
             dtype, shape = torch_layout(dtype, shape)
         shape = tuple(int(d) for d in shape)

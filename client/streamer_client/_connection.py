@@ -2,8 +2,8 @@
 
 No torch here: metadata pulls, health checks and the service's own drivers (the demo and the
 benchmarks start a daemon and read its stats) talk to the daemon without loading tensors.
-Tensors are :mod:`streamer_client.daemon`'s. Replies and error bodies are
-:mod:`streamer_client.protocol`'s.
+Tensors are :mod:`streamer_client._daemon`'s. Replies and error bodies are
+:mod:`streamer_client._protocol`'s.
 
 The standard library's ``http.client`` speaks the HTTP: a rank process imports nothing for it
 beyond what Python has (an HTTP client package costs a fresh process its import inside the
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from . import protocol
+from . import _protocol as protocol
 from .errors import DaemonError
 
 __all__ = ["POLL_WAIT_S", "DaemonClient"]

@@ -23,8 +23,8 @@ import struct
 from collections.abc import Sequence
 from pathlib import Path
 
+from ._protocol import Handle
 from .errors import DaemonError, SessionError, StreamerError
-from .protocol import Handle
 
 __all__ = ["Fence", "unfenced"]
 

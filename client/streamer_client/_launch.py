@@ -5,7 +5,7 @@ key (the ranks of one launch on one node share one load). In order:
 
 1. an explicit ``STREAMER_LAUNCH_ID`` (a job id, a pod UID, ...);
 2. ``TORCHELASTIC_RUN_ID``, which torchrun sets for every rank of a run (its ``none``, torchrun
-   without a rendezvous id, is read as unset: ``streamer_client.settings``);
+   without a rendezvous id, is read as unset: ``streamer_client._settings``);
 3. the parent process, ``ppid-<pid>-<start time>``: ranks one launcher process started share
    it, and the start time keeps a recycled PID from looking like the same launch.
 """
@@ -16,7 +16,7 @@ import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .settings import Settings
+    from ._settings import Settings
 
 __all__ = ["resolve_launch_id", "process_launch_id", "launch_origin"]
 

@@ -1,5 +1,5 @@
 """The daemon's wire format: one typed module that the daemon (``streamer_service.daemon.api``) and the
-client (``streamer_client.daemon``) both import, so the two sides cannot drift apart.
+client (``streamer_client._daemon``) both import, so the two sides cannot drift apart.
 
 Both directions are typed here: the client builds each request body with its class's
 ``to_wire`` and reads each reply with ``from_wire``; the daemon validates request bodies with
@@ -89,14 +89,14 @@ class JoinRequest(NamedTuple):
     # The rank may page-lock the segments it copies from (a CUDA rank): where several of a load's
     # ranks may, its ring is kept to a few recycled slots, each registered once (JoinReply.ring_slots).
     pins: bool = False
-    # The safetensors dtypes the rank's torch has (streamer_client.dtypes.torch_dtypes): a selection
+    # The safetensors dtypes the rank's torch has (streamer_client._dtypes.torch_dtypes): a selection
     # with a tensor of another is refused at the join, before it is read. None: a rank that does not
     # say; the daemon assumes a torch with every dtype of the table.
     dtypes: list[str] | None = None
     # The rank checks segment generations (Handle.entry, .generation): its NextRequest asks for them
     # too. A daemon from before the fence refuses the field (the client then says to upgrade it).
     fence: bool = False
-    # The parts of tensors the rank keeps (streamer_client.slicing.to_wire): checked against the
+    # The parts of tensors the rank keeps (streamer_client._slicing.to_wire): checked against the
     # checkpoint at the join. Left off the wire when None: a daemon from before slices refuses the
     # field, and only a rank that slices needs one that takes it.
     slices: dict[str, list[list[int]]] | None = None

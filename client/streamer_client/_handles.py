@@ -14,9 +14,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator
 
-from .dtypes import DTYPES, DType
+from ._dtypes import DTYPES, DType
+from ._protocol import Handle
 from .errors import DaemonError
-from .protocol import Handle
 
 __all__ = ["by_batch", "check", "cut_short"]
 

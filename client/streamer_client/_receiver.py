@@ -1,9 +1,9 @@
 """A daemon-mode rank's receiving side: its batches' handles become tensors (see
-:mod:`streamer_client.daemon` for the ways a batch's bytes are copied and the order a load ends in).
+:mod:`streamer_client._daemon` for the ways a batch's bytes are copied and the order a load ends in).
 
 :class:`Receiver` asks for handles, maps and checks their segments, copies (or lends) the bytes
-with :mod:`streamer_client.delivery`, checks each batch's generations (``fence``) and releases
-the batch; a rank's slices (:mod:`streamer_client.slicing`) are cut here, from the segment: a
+with :mod:`streamer_client._delivery`, checks each batch's generations (``fence``) and releases
+the batch; a rank's slices (:mod:`streamer_client._slicing`) are cut here, from the segment: a
 slice of one run is a view of just that run, a slice of several runs is gathered by the copier's
 threads.
 """
@@ -20,13 +20,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import copier, delivery, errors, handles, protocol, slicing
-from .connection import POLL_WAIT_S, DaemonClient
+from . import _delivery as delivery
+from . import _handles as handles
+from . import _native_copier as copier
+from . import _protocol as protocol
+from . import _slicing as slicing
+from . import errors
+from ._connection import POLL_WAIT_S, DaemonClient
+from ._fence import Fence
+from ._leases import Leases
+from ._protocol import Handle, NextReply
+from ._segments import PrivateSegments, segment_maps
 from .errors import BorrowedTensorError, StreamerError
-from .fence import Fence
-from .leases import Leases
-from .protocol import Handle, NextReply
-from .segments import PrivateSegments, segment_maps
 
 __all__ = ["Receiver", "leave", "staged"]
 
@@ -99,7 +104,7 @@ class Receiver:
         if borrowed:
             self._segments = PrivateSegments(shm_dir)
         else:
-            # Owned copies map each segment once per process and keep it across loads (segments.py).
+            # Owned copies map each segment once per process and keep it across loads (_segments.py).
             maps = segment_maps(shm_dir)
             staged = device.type == "cuda" and staged(pin_segments, maps.loads > 0, huge_pages, from_memory, recycled)
             # Populated for copies by numpy on this thread; the copier's threads fault the pages
@@ -107,7 +112,7 @@ class Receiver:
             self._segments = maps.load(populate=device.type != "cuda" and not copier.available())
         try:
             if device.type == "cuda":
-                from .cuda import PinnedCopier
+                from ._cuda import PinnedCopier
 
                 self._copier = PinnedCopier(device)
         except BaseException:

@@ -1,7 +1,7 @@
 """Page-locking host memory for CUDA copies: once per buffer, process-wide, with a fallback.
 
 A host buffer is named by its base address and size and is pinned once (``cudaHostRegister``
-through ``torch.cuda.cudart()``), then reused for many copies (:mod:`streamer_client.cuda`).
+through ``torch.cuda.cudart()``), then reused for many copies (:mod:`streamer_client._cuda`).
 
 Fallback. If registration fails (a container's locked-memory limit, a kernel or
 driver that refuses), copies go ahead from pageable memory: correct, several

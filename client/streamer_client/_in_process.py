@@ -14,13 +14,13 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
+from ._settings import Settings, read_settings
 from .errors import ConfigError
-from .settings import Settings, read_settings
 
 if TYPE_CHECKING:
     import torch
 
-    from .request import StreamRequest
+    from ._request import StreamRequest
 
 __all__ = ["GROUP", "NAME", "PROVIDER", "Backend", "backend", "pull_in_process", "settings", "stream_in_process"]
 

@@ -23,7 +23,7 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
-from .dtypes import DTYPES
+from ._dtypes import DTYPES
 from .errors import ConfigError, SelectionError
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """One rank's load as a value: what :func:`streamer_client.stream` was asked for.
 
 The one declared entry point between the public API and the two ways of loading: the daemon
-client (``streamer_client.daemon.daemon_stream``) and in-process mode
+client (``streamer_client._daemon.daemon_stream``) and in-process mode
 (``streamer_service.embedded.backend.stream``) each take a :class:`StreamRequest`, instead of a dozen
 keyword arguments passed along twice.
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ._settings import parse_argument
+from ._slicing import Slices
 from .errors import ConfigError
-from .settings import parse_argument
-from .slicing import Slices
 
 __all__ = ["StreamRequest", "target"]
 
@@ -32,7 +32,7 @@ class StreamRequest:
     progress: str = "off"  # the bar mode, already checked: off | on | auto
     budget: int | str | None = None  # in-process buffer budget; None: STREAMER_SHM_BUDGET
     cache_dir: Path | None = None  # in-process metadata cache; None: STREAMER_CACHE_DIR
-    slices: Slices | None = None  # the parts of tensors this rank keeps (streamer_client.slicing), parsed
+    slices: Slices | None = None  # the parts of tensors this rank keeps (streamer_client._slicing), parsed
 
     def __post_init__(self) -> None:
         """The checks both modes share, before a daemon is asked or storage is read."""
@@ -59,7 +59,7 @@ def target(device, borrowed: bool):
     before whether the device exists), and the device must be usable here."""
     import torch
 
-    from .devices import resolve_device
+    from ._devices import resolve_device
 
     try:
         kind = torch.device(device).type

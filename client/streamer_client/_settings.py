@@ -15,7 +15,7 @@ and tests/test_settings_parity.py checks that both readers agree on every field.
 
 Reading rules, the same for both readers: a variable set to the empty string is unset; names are
 case-sensitive; a value passed as an argument wins over the environment. The parsers of more
-than one field are ``streamer_client.parsers``; those of a single field are here.
+than one field are ``streamer_client._parsers``; those of a single field are here.
 """
 
 import json
@@ -24,9 +24,9 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from ._parsers import GiB, MiB, Secret, byte_size, choice, flag, integer, number, optional, path, secret, text, words
+from ._progress import MODES as PROGRESS_MODES
 from .errors import SettingsError
-from .parsers import GiB, MiB, Secret, byte_size, choice, flag, integer, number, optional, path, secret, text, words
-from .progress import MODES as PROGRESS_MODES
 
 __all__ = [
     "DEFAULT_SOCKET", "MIN_SHM_BUDGET", "SETTINGS", "Secret", "Setting", "Settings", "SettingsError",

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .counters import Counters
+from ._counters import Counters
 from .errors import DaemonError
 
 __all__ = [
@@ -187,7 +187,7 @@ class MapStats(Counters):
 class SegmentMaps:
     """The segments of one shm dir mapped in this process (see the module docstring).
 
-    ``pinner``: a :class:`streamer_client.pinning.HostPinner` (tests pass one over a fake runtime);
+    ``pinner``: a :class:`streamer_client._pinning.HostPinner` (tests pass one over a fake runtime);
     made on first registration otherwise.
     """
 
@@ -252,8 +252,8 @@ class SegmentMaps:
             return entry.pinning
 
     def _register(self, entry: MappedSegment, device) -> bool:
-        from .devices import device_context
-        from .pinning import HostPinner
+        from ._devices import device_context
+        from ._pinning import HostPinner
 
         if self._pinner is None:
             self._pinner = HostPinner()

@@ -1,16 +1,16 @@
 """Host bytes -> tensors: how both modes turn bytes in host memory into the tensors they yield.
 
 The embedded engine (``streamer_service.embedded.engine``) has its bytes in ring slots it read into; the
-daemon client (:mod:`streamer_client.daemon`) has them in the daemon's mapped segments. Either
+daemon client (:mod:`streamer_client._daemon`) has them in the daemon's mapped segments. Either
 way a tensor is delivered in one of these ways, each written once here:
 
 - :func:`over`: a tensor over memory that is never reused (a buffer handed to the caller);
 - :func:`lend`: a borrowed view of a reusable buffer, recorded in its :class:`Leases`;
 - :func:`copy_to_cpu`: owned CPU tensors, the bytes copied by the native copier's threads
-  (:mod:`streamer_client.copier`; numpy where it is not built), a batch at a time, into new
+  (:mod:`streamer_client._native_copier`; numpy where it is not built), a batch at a time, into new
   memory advised for transparent huge pages;
 - :func:`to_device`: a device tensor copied from page-locked memory on the copier's stream
-  (:class:`streamer_client.cuda.PinnedCopier`: fence, release after completion);
+  (:class:`streamer_client._cuda.PinnedCopier`: fence, release after completion);
 - :class:`Staging`: device tensors from memory that is *not* page-locked (a segment read once):
   the native copier's threads copy it, a window at a time, into a small ring of page-locked
   buffers registered once per process, and each window's host-to-device copies run on the
@@ -34,14 +34,14 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 import torch
 
-from . import copier
-from .dtypes import tensor_over, torch_layout
-from .host_memory import anonymous, fault_in
-from .leases import Leases
+from . import _native_copier as copier
+from ._dtypes import tensor_over, torch_layout
+from ._host_memory import anonymous, fault_in
+from ._leases import Leases
 
 if TYPE_CHECKING:
-    from .cuda import PinnedCopier
-    from .pinning import HostPinner
+    from ._cuda import PinnedCopier
+    from ._pinning import HostPinner
 
 __all__ = [
     "STAGING_SLOTS", "STAGING_SLOT_BYTES", "Staging", "copy_to_cpu", "empty", "lend", "over", "reserve", "staging_pinned",
@@ -51,7 +51,7 @@ __all__ = [
 STAGING_SLOT_BYTES = 32 * 1024 * 1024
 STAGING_SLOTS = 3
 """The staging ring: 3 x 32 MiB page-locked, InstantTensor's choice (one window filling, one or two
-copying to the device), made of :func:`~streamer_client.host_memory.anonymous` memory, faulted in
+copying to the device), made of :func:`~streamer_client._host_memory.anonymous` memory, faulted in
 on the copier's threads and registered once per process, on its first staged load."""
 
 _Key = TypeVar("_Key")  # what names a batch staged by Staging.copy_batch
@@ -178,7 +178,7 @@ class _StagingRing:
 
     def slots(self, device: torch.device) -> list[np.ndarray]:
         if self._slots is None:
-            from .pinning import HostPinner
+            from ._pinning import HostPinner
 
             buffers = [anonymous(self.slot_bytes) for _ in range(self._count)]
             fault_in(buffers)

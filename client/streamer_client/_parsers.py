@@ -1,7 +1,7 @@
 """Parsers of setting values: each takes the text of an environment variable or a Python value
 of its type, and returns the value or raises ``ValueError`` saying what was expected.
 
-Both readers of the settings table (``streamer_client.settings``: the client's and the daemon's)
+Both readers of the settings table (``streamer_client._settings``: the client's and the daemon's)
 call the same parser for a field, so that they agree by construction.
 """
 

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from . import copier
+from . import _native_copier as copier
 
 __all__ = ["anonymous", "fault_in"]
 
