@@ -9,13 +9,15 @@ Public API (the names other projects rely on)::
 
 with ``errors``, ``StreamerError`` and ``__version__``: ``__all__``, listed in docs/client.md,
 "Public API", with the public modules besides (``errors``, ``integrations``). The package's other
-modules are internal.
+modules are internal: their names start with ``_``. Their old names (``streamer_client/_deprecated.py``)
+still import, with a ``DeprecationWarning``, until they are removed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
@@ -250,3 +252,14 @@ def load_state_dict(uri: str | os.PathLike, **kwargs) -> dict[str, torch.Tensor]
 
         raise ConfigError("load_state_dict keeps every tensor: borrowed views cannot be kept")
     return dict(stream(uri, **kwargs))
+
+
+def __getattr__(name: str):
+    """An old name of an internal module (``_deprecated.MOVED``) reached as the package's attribute:
+    the module, imported under that name (with its ``DeprecationWarning``)."""
+    if not name.startswith("_"):
+        from ._deprecated import MOVED
+
+        if name in MOVED:
+            return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

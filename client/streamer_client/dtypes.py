@@ -1,0 +1,5 @@
+"""Deprecated: the old name of the internal module ``_dtypes`` (streamer_client/_deprecated.py)."""
+
+from ._deprecated import moved
+
+moved(__name__)
