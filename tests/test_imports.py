@@ -18,6 +18,8 @@ import pytest
 import torch
 from checkpoints import ground_truth, tensor_bytes
 
+from streamer_client._deprecated import MOVED
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from import_time import DATACLASS_HOOK, HEAVY, OURS  # noqa: E402  (what a rank's load must not import; the benchmark reports it too)
 
@@ -140,7 +142,11 @@ def test_an_in_process_load_imports_nothing_heavy(sample, tmp_path, device):
     # Each dataclass compiles its methods from source as its module is imported; the records a
     # load makes per tensor, batch and read are NamedTuples, which compile nothing of their own.
     assert got["dataclasses"] == IN_PROCESS_DATACLASSES
+    assert [m for m in got["ours"] if m in OLD_NAMES] == []
 
+
+# The old names of the client's internal modules (deprecated): a load imports the modules themselves.
+OLD_NAMES = {f"streamer_client.{old}" for old in MOVED}
 
 # The dataclasses a first load builds: those that check their fields on construction.
 IN_PROCESS_DATACLASSES = [
@@ -156,6 +162,7 @@ def test_a_load_through_the_daemon_imports_nothing_heavy_nor_the_service(daemon,
     assert (got["attempted"], got["loaded"]) == ([], [])
     assert not got["service"], "the rank fell back to loading in-process, or imported the service"
     assert got["dataclasses"] == ["streamer_client._request.StreamRequest"]
+    assert [m for m in got["ours"] if m in OLD_NAMES] == []
     assert got["devices"] == [device]
     assert got["digests"] == _digests(sample)
 
