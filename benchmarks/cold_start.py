@@ -179,15 +179,15 @@ def worker(args) -> None:
 STAGES = {
     "import": ("<frozen importlib._bootstrap>:_find_and_load",),
     "catalog+plan": ("checkpoint.py:open_checkpoint", "versions.py:of", "engine.py:plan", "ring_load.py:ring_for"),
-    "join/next (daemon)": ("connection.py:call",),
-    "copier wait": ("copier.py:wait",),
-    "H2D queue": ("cuda.py:copy_pieces",),  # every device copy is queued there (copy_into too)
-    "torch.empty": ("cuda.py:empty", "delivery.py:empty"),
+    "join/next (daemon)": ("_connection.py:call",),
+    "copier wait": ("_native_copier.py:wait",),
+    "H2D queue": ("_cuda.py:copy_pieces",),  # every device copy is queued there (copy_into too)
+    "torch.empty": ("_cuda.py:empty", "_delivery.py:empty"),
     # Registrations on the loading thread (the staging ring, the engine's slots, PinnedCopier.register)
     # all reach host_register; a segment's is made on a worker thread and waited for in pinned.
-    "registration": ("pinning.py:host_register", "segments.py:pinned"),
-    "fence/drain": ("cuda.py:wait_one", "cuda.py:drain"),
-    "unmap": ("copier.py:unmap",),
+    "registration": ("_pinning.py:host_register", "_segments.py:pinned"),
+    "fence/drain": ("_cuda.py:wait_one", "_cuda.py:drain"),
+    "unmap": ("_native_copier.py:unmap",),
     "synchronize": ("__init__.py:synchronize",),
 }
 

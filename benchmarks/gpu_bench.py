@@ -7,7 +7,7 @@ Rows (GB = 1e9 bytes; each row's rate is the median of its repetitions):
 - ``ceiling``: one plain ``torch`` copy of the whole buffer from pinned host memory
   (``torch.empty(..., pin_memory=True)``) to the GPU, timed with CUDA events. What no
   host-to-device path can beat.
-- ``shm->cuda pinned``: :class:`streamer_client.cuda.PinnedCopier` copying a ``/dev/shm``
+- ``shm->cuda pinned``: :class:`streamer_client._cuda.PinnedCopier` copying a ``/dev/shm``
   file mapped with ``mmap`` (source already in shared memory, as in daemon mode) into owned
   32 MiB bf16 tensors, the mapping registered once beforehand (its cost is printed apart);
   CUDA events on the copy stream around all copies of one pass, through the fence. The goal is
@@ -57,7 +57,7 @@ for path in (REPO / "client", REPO):  # run from a checkout
 from cold_start import write_checkpoint  # noqa: E402  (one checkpoint layout for both scripts)
 
 import streamer_client  # noqa: E402
-from streamer_client.cuda import PinnedCopier, address_of  # noqa: E402
+from streamer_client._cuda import PinnedCopier, address_of  # noqa: E402
 from streamer_service.bench.sources import warm_page_cache  # noqa: E402
 from streamer_service.daemon.server import ChildDaemon  # noqa: E402
 

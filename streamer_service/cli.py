@@ -37,7 +37,7 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from streamer_client.launch import resolve_launch_id
+    from streamer_client._launch import resolve_launch_id
 
     from .metadata.cache import MetadataCache
 
@@ -85,7 +85,7 @@ def _startup_error(args: argparse.Namespace, message: str, exc: BaseException) -
 def cmd_health(args: argparse.Namespace) -> int:
     # A probe runs every few seconds in every pod: the client's connection alone, no torch import.
     # Cheaper still for kubelet: an httpGet probe on the metrics listener's /healthz (docs/deploy.md).
-    from streamer_client.connection import DaemonClient
+    from streamer_client._connection import DaemonClient
     from streamer_client.errors import DaemonError
 
     settings = _settings(args)

@@ -268,7 +268,7 @@ class _Phases:
 
 def _progress(args: argparse.Namespace, total: int):
     """A bar of the bytes all ranks received and their aggregate GB/s (quiet unless on a terminal)."""
-    from streamer_client.progress import bar
+    from streamer_client._progress import bar
 
     from .logs import progress_mode
 

@@ -6,7 +6,7 @@ the CLI's commands draw progress bars (:func:`progress_mode`).
 ``extra={...}``, and ``exception`` with the traceback when there is one. uvicorn's own loggers
 are routed through the same handler (``serve`` gives uvicorn no logging config of its own).
 
-Nothing here prints settings: secrets are ``streamer_client.settings.Secret`` and render as ``**********``.
+Nothing here prints settings: secrets are ``streamer_client._settings.Secret`` and render as ``**********``.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The service's settings: the one :class:`Settings` value, read by the daemon through pydantic-settings.
 
-The schema — every field's variable, type, default and parser — is ``streamer_client.settings``
+The schema — every field's variable, type, default and parser — is ``streamer_client._settings``
 (the client cannot import the service, and reads it without pydantic). This module builds the
 daemon's pydantic-settings model from that table and turns what the model read into the same
 :class:`Settings` value the rest of the service takes; nothing here lists a field again.
@@ -19,8 +19,7 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Annotated, Any
 
-from streamer_client.errors import SettingsError
-from streamer_client.settings import (
+from streamer_client._settings import (
     DEFAULT_SOCKET,
     MIN_SHM_BUDGET,
     SETTINGS,
@@ -29,6 +28,7 @@ from streamer_client.settings import (
     default_cache_dir,
     problem,
 )  # fmt: skip
+from streamer_client.errors import SettingsError
 
 from .sizing import FEW_SLOTS, slot_bytes
 
@@ -53,7 +53,7 @@ def settings_model() -> type[BaseSettings]:
     from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
     class _Base(BaseSettings):
-        # The plain reader's rules (streamer_client.settings): exact names, an empty variable is
+        # The plain reader's rules (streamer_client._settings): exact names, an empty variable is
         # unset, defaults are not parsed, every value goes through the row's parser.
         model_config = SettingsConfigDict(
             case_sensitive=True, env_ignore_empty=True, validate_default=False, extra="ignore", frozen=True,
@@ -73,7 +73,7 @@ def settings_model() -> type[BaseSettings]:
 def read_settings(overrides: Mapping[str, Any] | None = None, *, arguments: Mapping[str, str] | None = None) -> Settings:
     """The environment's settings with ``overrides`` on top, read through :func:`settings_model`.
 
-    Same contract as ``streamer_client.settings.read_settings``: :class:`SettingsError` naming
+    Same contract as ``streamer_client._settings.read_settings``: :class:`SettingsError` naming
     each bad variable (or, with ``arguments``, each bad argument by its public name).
     """
     from pydantic import ValidationError

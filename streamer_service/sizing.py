@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple
 
-from streamer_client.settings import MIN_SHM_BUDGET
+from streamer_client._settings import MIN_SHM_BUDGET
 
 __all__ = [
     "FEW_SLOTS", "MIN_IN_FLIGHT_SLOTS", "PINNING_RANKS", "REQUEST_LATENCY_S", "ReadParallelism", "first_ring_slots", "in_flight_bytes",

@@ -2,7 +2,8 @@
 import cycle, small modules, no history and no measured figures in the code, every file or module
 a comment names exists; and the docs that keep the code honest: docs/benchmarks.md a page of
 results, every script under benchmarks/ and scripts/ named in a doc, the client's public names
-those docs/client.md lists.
+and modules those docs/client.md lists, its other modules private, and their old names (deprecated)
+used by nothing of ours.
 
 The import graph is read from the source (``ast``): every ``import`` counts, at module level or
 inside a function, so a lazy import cannot hide a cycle or an upward edge.
@@ -165,7 +166,7 @@ def test_no_part_imports_a_higher_one_or_its_sibling():
 
 def test_the_client_does_not_import_the_service():
     """The client finds its in-process backend through the entry point group
-    ``streamer_client.backends`` (streamer_client/in_process.py), never by importing the service."""
+    ``streamer_client.backends`` (streamer_client/_in_process.py), never by importing the service."""
     wrong = [
         f"{m} -> {t}"
         for m, ts in GRAPH.items()
@@ -179,7 +180,7 @@ def test_the_client_does_not_import_the_service():
 def test_the_service_registers_its_in_process_backend():
     import tomllib
 
-    from streamer_client import in_process
+    from streamer_client import _in_process as in_process
 
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     assert project["name"] == in_process.PROVIDER  # the distribution the client looks in first
@@ -415,3 +416,147 @@ def test_the_public_api_is_the_documented_one():
     assert len(documented) == len(set(documented))
     assert sorted(streamer_client.__all__) == sorted(documented)
     assert all(hasattr(streamer_client, name) for name in streamer_client.__all__)
+
+
+# The client's public surface (docs/client.md, "Public API"): its other modules' names start with
+# "_"; their old names are modules of three lines (streamer_client/_deprecated.py) until REMOVED_IN.
+def _documented_public_modules() -> set[str]:
+    """The modules docs/client.md lists under "Public API" as "Public modules besides"."""
+    section = (ROOT / "docs" / "client.md").read_text().split("\n## Public API\n", 1)[1].split("\n## ", 1)[0]
+    assert "Public modules besides:\n" in section, "the section's list of the public modules"
+    listing = section.split("Public modules besides:\n", 1)[1].split("\n\n", 1)[0]
+    return set(re.findall(r"`(streamer_client(?:\.\w+)+)`", listing))
+
+
+def _is_old_name(path: Path) -> bool:
+    """Whether the module at ``path`` is an old name: its docstring, then exactly
+    ``from ._deprecated import moved`` and ``moved(__name__)``."""
+    body = ast.parse(path.read_text()).body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    return [ast.dump(node) for node in body] == [
+        ast.dump(node) for node in ast.parse("from ._deprecated import moved\nmoved(__name__)").body
+    ]
+
+
+def _old_names() -> dict[str, str]:
+    from streamer_client._deprecated import MOVED
+
+    return {f"streamer_client.{old}": f"streamer_client.{new}" for old, new in MOVED.items()}
+
+
+def test_every_module_of_the_client_is_public_private_or_an_old_name():
+    public_looking = {m for m in MODULES if m.startswith("streamer_client.") and not any(p.startswith("_") for p in m.split("."))}
+    old = {m for m in public_looking if _is_old_name(MODULES[m])}
+    documented = _documented_public_modules()
+    assert documented - set(MODULES) == set(), "docs/client.md lists a public module that does not exist"
+    assert public_looking - old == documented, (
+        "a module that is not public gets a name starting with _ (docs/client.md, Public API)"
+    )
+    assert old == set(_old_names()), "every old name in streamer_client._deprecated.MOVED has its module, and only those"
+    for target in _old_names().values():
+        assert target in MODULES and target.rpartition(".")[2].startswith("_"), target
+
+
+def _imported(name: str, path: Path) -> set[str]:
+    """Every module ``path`` (module ``name``, or None outside our packages) may import: the
+    modules of its imports, and for ``from module import x`` also ``module.x``."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level and name is not None:
+                base = (name if path.name == "__init__.py" else name.rpartition(".")[0]).split(".")
+                module = ".".join([*base[: len(base) - node.level + 1], *([module] if module else [])])
+            found |= {module} | {f"{module}.{alias.name}" for alias in node.names}
+    return found
+
+
+def _source_files() -> list[Path]:
+    """The repository's code, scripts and configuration (its docs may name the old names)."""
+    tops = ["client", "streamer_service", "tests", "benchmarks", "scripts", "examples", "deploy", ".ci"]
+    files = [ROOT / "Dockerfile", ROOT / "pyproject.toml"]
+    for top in tops:
+        files += [
+            p
+            for p in sorted((ROOT / top).rglob("*"))
+            if p.is_file() and "__pycache__" not in p.parts and p.suffix not in (".so", ".pyc", ".md")
+        ]
+    return files
+
+
+def test_nothing_of_ours_uses_an_old_module_name():
+    """The package, the service, the tests, benchmarks, scripts and examples import the private
+    modules; only the old names' own modules (and the tests below, by a computed name) reach an
+    old name."""
+    old = set(_old_names())
+    by_path = {path: name for name, path in MODULES.items()}
+    written = re.compile(r"\bstreamer_client\.(" + "|".join(sorted(n.rpartition(".")[2] for n in old)) + r")\b")
+    wrong = []
+    for path in _source_files():
+        if path in by_path and _is_old_name(path):
+            continue
+        text = path.read_text(errors="replace")
+        wrong += [f"{path.relative_to(ROOT)}: {m.group()}" for m in written.finditer(text)]
+        if path.suffix == ".py":
+            imported = _imported(by_path.get(path), path)
+            wrong += [
+                f"{path.relative_to(ROOT)}: imports {m}"
+                for m in sorted(imported)
+                if any(m == o or m.startswith(o + ".") for o in old)
+            ]
+    assert wrong == [], "import the private module (streamer_client._deprecated.MOVED names it)"
+
+
+@pytest.mark.parametrize("old", sorted(_old_names()))
+def test_an_old_module_name_warns_and_gives_the_private_module(old):
+    import importlib
+    import sys
+
+    new = importlib.import_module(_old_names()[old])
+    sys.modules.pop(old, None)  # as in a process that has not imported it yet
+    with pytest.warns(DeprecationWarning) as warned:
+        module = importlib.import_module(old)
+    assert len(warned) == 1
+    message = str(warned[0].message)
+    assert f"{old} is an internal module, now {new.__name__}" in message and "docs/client.md" in message
+    assert warned[0].filename == __file__, "the warning names the line that imported the old name"
+    assert module is new and sys.modules[old] is new  # the same objects, private names and patches too
+    names = getattr(new, "__all__", None) or [n for n in vars(new) if not n.startswith("_")]
+    assert all(getattr(module, n) is getattr(new, n) for n in names)
+
+
+def test_an_old_module_name_reached_through_the_package_warns_once():
+    """``from streamer_client import <old>`` and ``streamer_client.<old>`` import the old name too;
+    the default filters show its warning where the importer is ``__main__``, once per name."""
+    import subprocess
+    import sys
+
+    _, first, second = sorted(_old_names())[:3]
+    code = "\n".join(
+        [
+            f"import {first}",
+            f"from streamer_client import {second.rpartition('.')[2]}",
+            "import streamer_client",
+            f"streamer_client.{second.rpartition('.')[2]}, {first}",
+            f"import {first}, {second}",
+        ]
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    said = re.findall(r"^<string>:(\d+): DeprecationWarning: (\S+) is an internal module", result.stderr, flags=re.M)
+    assert said == [("1", first), ("2", second)], result.stderr[-3000:]
+
+
+def test_the_old_module_names_go_in_the_release_the_docs_name():
+    from packaging.version import Version
+
+    import streamer_client
+    from streamer_client._deprecated import REMOVED_IN
+
+    assert f"removed in streamer-client {REMOVED_IN}" in (ROOT / "docs" / "client.md").read_text()
+    assert Version(streamer_client.__version__) < Version(REMOVED_IN), (
+        "remove the old names' modules (streamer_client._deprecated.MOVED), _deprecated.py and the package's __getattr__"
+    )

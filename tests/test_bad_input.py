@@ -18,7 +18,7 @@ import httpx
 import pytest
 from daemon_harness import DaemonProcess, leftovers, wait_until
 
-from streamer_client.protocol import ERROR_TEXT_LIMIT
+from streamer_client._protocol import ERROR_TEXT_LIMIT
 from streamer_service.daemon.api import MAX_BODY_BYTES, MAX_LIST
 from streamer_service.sample import build_sample
 

@@ -1,7 +1,7 @@
 """The process's pool of page-locked ring slots (streamer_service.embedded.buffers), over a fake CUDA runtime.
 
 The CUDA calls are the only fake: buffers are real anonymous mappings, registration goes through
-the real :class:`streamer_client.pinning.HostPinner` and a registry of the test's own (the process's
+the real :class:`streamer_client._pinning.HostPinner` and a registry of the test's own (the process's
 one may hold what other tests' loads keep on purpose: the staging ring, kept slots and segments).
 The device side (real ``cudaHostRegister``, loads through the engine) is tests/test_cuda.py.
 """
@@ -12,7 +12,7 @@ import gc
 
 import pytest
 
-from streamer_client.pinning import HostPinner, _Registry
+from streamer_client._pinning import HostPinner, _Registry
 from streamer_service.embedded.buffers import HostBuffer, PinnedPool
 
 KIB = 1024
@@ -130,7 +130,7 @@ def test_released_slots_are_unmapped(pool):
 
 
 def test_slots_that_could_not_be_pinned_are_not_kept(fake, clock, monkeypatch, registry):
-    from streamer_client import pinning
+    from streamer_client import _pinning as pinning
 
     monkeypatch.setattr(pinning, "_fallback_warned", False)  # the one warning per process, not yet given
 

@@ -245,7 +245,7 @@ def test_a_budget_of_few_slots_is_served_with_a_warning(tmp_path):
         env={**os.environ, "STREAMER_SLOT_SIZE": "1MiB"}, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     # Stopped once it answers: its log then holds the whole start-up.
-    from streamer_client.connection import DaemonClient
+    from streamer_client._connection import DaemonClient
 
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
@@ -280,7 +280,7 @@ def test_cli_stderr_has_no_sdk_info_lines(backend, tmp_path):
 
 
 def test_every_option_that_sets_a_setting_names_its_variable():
-    from streamer_client.settings import SETTINGS
+    from streamer_client._settings import SETTINGS
 
     rows = {row.name: row for row in SETTINGS}
     checked = set()

@@ -187,7 +187,7 @@ def test_require_daemon_fails_instead_of_reading_storage(checkpoint, tmp_path, m
 
 
 def test_ranks_find_the_daemon_at_the_default_socket_the_daemon_serves_on():
-    from streamer_client import settings
+    from streamer_client import _settings as settings
     from streamer_service.daemon import server
 
     assert server.DEFAULT_SOCKET == settings.DEFAULT_SOCKET == Path("/run/streamer/daemon.sock")

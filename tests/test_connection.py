@@ -1,4 +1,4 @@
-"""The rank's connection to a real daemon (``streamer_client.connection.DaemonClient``): one
+"""The rank's connection to a real daemon (``streamer_client._connection.DaemonClient``): one
 kept-alive connection, reopened when the daemon closed it idle; a daemon gone is a DaemonError
 naming the socket; a request whose connection is lost is not sent again; a load through the
 daemon imports no HTTP package."""
@@ -19,10 +19,10 @@ from checkpoints import ground_truth
 from daemon_harness import wait_until
 
 from streamer_client import errors
-from streamer_client.connection import DaemonClient
-from streamer_client.daemon import daemon_stream
+from streamer_client._connection import DaemonClient
+from streamer_client._daemon import daemon_stream
+from streamer_client._request import StreamRequest
 from streamer_client.errors import DaemonError, SelectionError
-from streamer_client.request import StreamRequest
 
 TOKEN = "t0ken-for-the-tcp-listener"
 

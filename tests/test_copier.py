@@ -1,4 +1,4 @@
-"""The native copier (streamer_client.copier, _copier.c): bad batches refused, files cut short
+"""The native copier (streamer_client._native_copier, _copier.c): bad batches refused, files cut short
 answered, the SIGBUS handler safe to run on any copying thread.
 
 Cases that could crash the interpreter run in a child process, so a regression fails one test.
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from held_pages import HeldPages
 
-from streamer_client import copier
+from streamer_client import _native_copier as copier
 
 pytestmark = pytest.mark.skipif(not copier.available(), reason="the native copier is not built")
 
@@ -44,7 +44,7 @@ def test_a_copy_past_the_end_of_the_address_space_is_refused_not_a_crash():
     result = _child(
         """
         import numpy as np
-        from streamer_client import copier
+        from streamer_client import _native_copier as copier
         buf = np.zeros(4096, dtype=np.uint8)
         for srcs, sizes in (([buf.ctypes.data] * 2, [16, 2**64 - 1]), ([2**64 - 8], [16])):
             try:
@@ -91,7 +91,7 @@ def test_a_batch_nobody_waited_for_holds_its_slot_not_the_pool():
 # KeyboardInterrupt is raised at once, while the batch is still copying.
 _INTERRUPTED = """
     import os, signal, sys, numpy as np
-    from streamer_client import copier
+    from streamer_client import _native_copier as copier
 
     src = np.arange(256 << 20, dtype=np.uint8)
     dst = np.zeros_like(src)
@@ -127,7 +127,7 @@ def test_a_sigbus_sent_to_the_process_still_ends_it():
     # this one goes on and prints before the process ends.
     result = _child("""
         import signal
-        from streamer_client import copier
+        from streamer_client import _native_copier as copier
         copier.pool()
         signal.raise_signal(signal.SIGBUS)
         print("survived")
@@ -140,7 +140,7 @@ def test_a_pool_made_by_a_thread_that_blocks_every_signal_still_catches_a_file_c
     path.write_bytes(b"x" * 3 * 65536)
     result = _child(f"""
         import os, signal, threading, numpy as np
-        from streamer_client import copier
+        from streamer_client import _native_copier as copier
 
         def make():  # helper threads often block every signal
             signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
@@ -198,7 +198,7 @@ def test_the_ranks_on_the_host_come_from_torchrun_or_the_daemon_session(local_wo
     env = {k: v for k, v in os.environ.items() if k != "LOCAL_WORLD_SIZE"}
     if local_world is not None:
         env["LOCAL_WORLD_SIZE"] = local_world
-    code = f"import streamer_client.copier as c; c.share_host({shared}); print(c._ranks_on_host)"
+    code = f"import streamer_client._native_copier as c; c.share_host({shared}); print(c._ranks_on_host)"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert (out.returncode, out.stdout.strip()) == (0, str(ranks)), out.stderr
 
@@ -207,7 +207,7 @@ def test_the_ranks_on_the_host_come_from_torchrun_or_the_daemon_session(local_wo
 # its second piece. MAPPED is the child's preamble; `path` is formatted in.
 MAPPED = """
     import ctypes, faulthandler, mmap, os, signal, sys, numpy as np
-    from streamer_client import copier, delivery
+    from streamer_client import _native_copier as copier, _delivery as delivery
     from streamer_client.errors import ObjectChangedError
     path = {path!r}
     with open(path, "r+b") as f:
@@ -298,7 +298,7 @@ def test_a_hardware_memory_error_during_a_copy_is_not_a_file_cut_short(code):
         import ctypes, os, sys, numpy as np
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from held_pages import HeldPages
-        from streamer_client import copier
+        from streamer_client import _native_copier as copier
 
         src = np.ones(65536, dtype=np.uint8)
         dst = HeldPages(src.nbytes)

@@ -1,4 +1,4 @@
-"""Pinned host -> GPU copies (streamer_client.cuda) and the engine's device path (docs/architecture.md, "Data-path rules").
+"""Pinned host -> GPU copies (streamer_client._cuda) and the engine's device path (docs/architecture.md, "Data-path rules").
 
 The first part runs anywhere: registration bookkeeping, the one-warning fallback and the release
 queue, against a fake CUDA runtime. The GPU part (``-m gpu``; skipped without CUDA) checks every
@@ -29,10 +29,9 @@ from checkpoints import INDEX_NAME, ground_truth, make_sharded_checkpoint, many_
 from safetensors.torch import load_file
 
 import streamer_client
-from streamer_client import pinning
-from streamer_client.cuda import Fence, PinnedCopier, _check_host, _Releases, address_of, cuda_device
-from streamer_client.errors import ConfigError
-from streamer_client.pinning import (
+from streamer_client import _pinning as pinning
+from streamer_client._cuda import Fence, PinnedCopier, _check_host, _Releases, address_of, cuda_device
+from streamer_client._pinning import (
     ERROR_ALREADY_REGISTERED,
     HOST_REGISTER_PORTABLE,
     HOST_REGISTER_READ_ONLY,
@@ -40,6 +39,7 @@ from streamer_client.pinning import (
     _Registry,
     registered_ranges,
 )
+from streamer_client.errors import ConfigError
 from streamer_service.checkpoint.plan import BatchKind
 
 KIB = 1024
@@ -392,7 +392,7 @@ def test_a_read_only_shared_memory_mapping_is_pinned_with_the_read_only_flag(tmp
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 def test_a_load_s_tensors_are_carved_out_of_one_reservation():
-    from streamer_client import delivery
+    from streamer_client import _delivery as delivery
 
     device = torch.device("cuda", 0)
     torch.cuda.empty_cache()
@@ -425,7 +425,8 @@ def release_process_pins() -> None:
     """Give back what a process keeps page-locked on purpose between its loads — the pinned pool's
     idle slots, the staging ring, mapped daemon segments — so that a test asserting the process's
     registrations sees its own only, whichever tests ran before it in this process."""
-    from streamer_client import delivery, segments
+    from streamer_client import _delivery as delivery
+    from streamer_client import _segments as segments
     from streamer_service.embedded.buffers import pinned_pool
 
     pinned_pool().close()
@@ -608,7 +609,7 @@ def test_a_second_device_load_pins_nothing_and_the_first_pins_only_what_it_uses(
 
 def _staging_ring_only() -> bool:
     """Whether what the process has page-locked is the staging ring and nothing else."""
-    from streamer_client.delivery import STAGING_SLOT_BYTES, STAGING_SLOTS
+    from streamer_client._delivery import STAGING_SLOT_BYTES, STAGING_SLOTS
 
     return sorted(registered_ranges().values()) == [STAGING_SLOT_BYTES] * STAGING_SLOTS
 

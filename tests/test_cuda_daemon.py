@@ -123,7 +123,7 @@ def test_warm_reload_to_gpu_from_the_resident_copy(big_checkpoint, tmp_path):
 RELOAD = CHECK + textwrap.dedent(
     """
     import os, sys, streamer_client
-    from streamer_client.segments import segment_maps
+    from streamer_client._segments import segment_maps
     uri = sys.argv[1]
     maps = segment_maps(os.environ["STREAMER_SHM_DIR"])
     out = []
@@ -210,7 +210,7 @@ def test_a_staged_load_closed_midway_leaves_at_once_and_the_next_load_is_exact(b
 LEAVE_THEN_ANOTHER_LOAD = CHECK + textwrap.dedent(
     """
     import sys, streamer_client
-    from streamer_client.cuda import PinnedCopier
+    from streamer_client._cuda import PinnedCopier
     uri, other = sys.argv[1], sys.argv[2]
     copy_pieces = PinnedCopier.copy_pieces
 

@@ -1,4 +1,4 @@
-"""Host bytes -> tensors (streamer_client.delivery), and the request checks both modes share.
+"""Host bytes -> tensors (streamer_client._delivery), and the request checks both modes share.
 
 Through a real daemon where the mode matters; ground truth is safetensors. The CUDA paths
 (staged and pinned segments) are checked where a GPU is present (tests/test_cuda_daemon.py has
@@ -20,7 +20,8 @@ from checkpoints import ground_truth, tensor_bytes
 from smaps import mapping
 
 import streamer_client
-from streamer_client import copier, delivery
+from streamer_client import _delivery as delivery
+from streamer_client import _native_copier as copier
 from streamer_client.errors import ConfigError, DaemonError, SettingsError
 
 HAS_CUDA = torch.cuda.is_available()
@@ -69,7 +70,7 @@ def test_a_budget_through_a_daemon_says_the_daemon_s_budget_applies(sample, daem
 CPU_LOAD = """
 import json, sys
 import streamer_client
-from streamer_client import copier
+from streamer_client import _native_copier as copier
 state = streamer_client.load_state_dict(sys.argv[1])
 print(json.dumps({"pool": copier._POOL.peek() is not None, "n": len(state)}))
 """
@@ -124,8 +125,8 @@ def test_small_and_empty_cpu_copies_are_byte_exact():
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("pin", ["never", "always", "auto"])
 def test_cuda_loads_through_a_daemon_are_byte_exact_staged_or_pinned(sample, daemon, monkeypatch, pin):
-    from streamer_client.cuda import registered_ranges
-    from streamer_client.segments import segment_maps
+    from streamer_client._cuda import registered_ranges
+    from streamer_client._segments import segment_maps
 
     d = daemon({"STREAMER_SLOT_SIZE": "1MiB"}, "--shm-budget", "4MiB")
     monkeypatch.setenv("STREAMER_PIN_SEGMENTS", pin)
@@ -149,7 +150,7 @@ def test_cuda_loads_through_a_daemon_are_byte_exact_staged_or_pinned(sample, dae
 def test_staged_windows_are_byte_exact_and_a_source_cut_short_names_its_item(tmp_path):
     """Items crossing the staging ring's windows (one window filled while the one before is queued
     to the device); a source truncated under its mapping fails its item and leaves the ring whole."""
-    from streamer_client.cuda import PinnedCopier
+    from streamer_client._cuda import PinnedCopier
 
     window = delivery.STAGING_SLOT_BYTES
     size = 2 * window + window // 2
@@ -182,7 +183,7 @@ def test_held_windows_are_finished_by_the_next_copy_and_a_cut_short_one_names_it
     next call (or ``flush``), byte-exact; a held window whose source was cut short raises the error
     of its own call's item from the call that finishes it; ``abandon`` and ``close`` take a held
     window back."""
-    from streamer_client.cuda import PinnedCopier
+    from streamer_client._cuda import PinnedCopier
 
     window = delivery.STAGING_SLOT_BYTES
     size = 3 * window
@@ -230,7 +231,7 @@ def test_staged_batches_are_finished_in_order_once_their_last_window_is_copied_o
     """``copy_batch`` names what each call finishes: the batch held before (its last window
     finished by this call's first), and this one unless its last window is held; a batch of no
     items finishes at once; ``flush_batch`` finishes the held one; ``abandon`` drops it."""
-    from streamer_client.cuda import PinnedCopier
+    from streamer_client._cuda import PinnedCopier
 
     window = delivery.STAGING_SLOT_BYTES
     size = 2 * window

@@ -24,8 +24,8 @@ from typing import Any
 import pytest
 import yaml
 
+from streamer_client._settings import SETTINGS
 from streamer_client.errors import SettingsError
-from streamer_client.settings import SETTINGS
 from streamer_service import cli
 from streamer_service.settings import Settings, get_settings
 from streamer_service.uri import parse_uri
@@ -49,7 +49,7 @@ SETTING_ENV_PREFIXES = ("STREAMER_", "TRTLLM_", "AZURE_STORAGE_", "TORCHELASTIC_
 
 
 VALID_NAMES = {name for row in SETTINGS for name in row.env}
-"""Env names the service and the client read: the settings table's (streamer_client.settings)."""
+"""Env names the service and the client read: the settings table's (streamer_client._settings)."""
 
 
 def test_valid_names_are_derived():

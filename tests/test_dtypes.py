@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save
 
 import streamer_client
-from streamer_client.dtypes import DTYPES, WITH_TORCH_DTYPE, torch_layout
+from streamer_client._dtypes import DTYPES, WITH_TORCH_DTYPE, torch_layout
 from streamer_client.errors import CheckpointError
 
 TORCH_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)

@@ -187,8 +187,8 @@ def test_an_object_overwritten_mid_load_fails_naming_the_key_never_mixing(cloud_
 
 def test_in_process_loads_check_object_versions_too(sample, tmp_path):
     """The embedded engine (no daemon) runs the same check: a local shard rewritten mid-load."""
+    from streamer_client._request import StreamRequest
     from streamer_client.errors import ObjectChangedError
-    from streamer_client.request import StreamRequest
     from streamer_service.embedded.backend import stream
     from streamer_service.settings import Settings
 

@@ -18,11 +18,11 @@ import pytest
 import torch
 from daemon_harness import finish_failed, wait_until
 
-from streamer_client import protocol
-from streamer_client.daemon import DaemonClient
+from streamer_client import _protocol as protocol
+from streamer_client._daemon import DaemonClient
+from streamer_client._fence import Fence
+from streamer_client._protocol import Handle, NextReply
 from streamer_client.errors import SessionError
-from streamer_client.fence import Fence
-from streamer_client.protocol import Handle, NextReply
 from streamer_service.checkpoint.header import TensorInfo
 from streamer_service.checkpoint.plan import build_plan
 from streamer_service.daemon.segment_pool import SegmentPool
@@ -205,9 +205,9 @@ def test_a_page_locked_batch_whose_segment_changed_before_its_copies_landed_rais
     from test_cuda import FakeCudart
     from test_segments import LateCopier
 
-    from streamer_client.pinning import HostPinner
-    from streamer_client.receiver import Receiver
-    from streamer_client.segments import segment_maps
+    from streamer_client._pinning import HostPinner
+    from streamer_client._receiver import Receiver
+    from streamer_client._segments import segment_maps
 
     d = daemon({"STREAMER_SLOT_SIZE": "1MiB"}, "--shm-budget", "4MiB")
     client = DaemonClient(d.socket)

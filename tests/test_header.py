@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from safetensors.torch import save, save_file
 
-from streamer_client.dtypes import DTYPES
+from streamer_client._dtypes import DTYPES
 from streamer_client.errors import HeaderError
 from streamer_service.checkpoint import header as header_module
 from streamer_service.checkpoint.header import (

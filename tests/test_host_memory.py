@@ -1,4 +1,4 @@
-"""Buffer memory (streamer_client.host_memory): private, advised for huge pages, and faulted in on
+"""Buffer memory (streamer_client._host_memory): private, advised for huge pages, and faulted in on
 the copier's threads before it is page-locked. Read from the kernel's own account of the
 process's mappings (/proc/self/smaps and /proc/self/pagemap)."""
 
@@ -11,8 +11,8 @@ import pytest
 from smaps import mapping as _mapping
 from smaps import resident_in
 
-from streamer_client import copier
-from streamer_client.host_memory import anonymous, fault_in
+from streamer_client import _native_copier as copier
+from streamer_client._host_memory import anonymous, fault_in
 
 MIB = 1024 * 1024
 

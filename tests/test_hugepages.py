@@ -16,7 +16,7 @@ import pytest
 import yaml
 from daemon_harness import DaemonProcess, finish, finish_failed, leftovers, segment_files
 
-from streamer_client import protocol
+from streamer_client import _protocol as protocol
 from streamer_service.daemon.pages import SMALL_PAGE, Pages, detect_pages
 
 MIB = 2**20

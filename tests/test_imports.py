@@ -18,6 +18,8 @@ import pytest
 import torch
 from checkpoints import ground_truth, tensor_bytes
 
+from streamer_client._deprecated import MOVED
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from import_time import DATACLASS_HOOK, HEAVY, OURS  # noqa: E402  (what a rank's load must not import; the benchmark reports it too)
 
@@ -48,7 +50,7 @@ BLOCK_TORCH = textwrap.dedent(
         "streamer_service.daemon.api",
         "streamer_service.daemon.core",
         "streamer_service.daemon.server",
-        "streamer_client.connection",
+        "streamer_client._connection",
     ],
 )
 def test_the_daemon_does_not_import_torch(module):
@@ -140,11 +142,15 @@ def test_an_in_process_load_imports_nothing_heavy(sample, tmp_path, device):
     # Each dataclass compiles its methods from source as its module is imported; the records a
     # load makes per tensor, batch and read are NamedTuples, which compile nothing of their own.
     assert got["dataclasses"] == IN_PROCESS_DATACLASSES
+    assert [m for m in got["ours"] if m in OLD_NAMES] == []
 
+
+# The old names of the client's internal modules (deprecated): a load imports the modules themselves.
+OLD_NAMES = {f"streamer_client.{old}" for old in MOVED}
 
 # The dataclasses a first load builds: those that check their fields on construction.
 IN_PROCESS_DATACLASSES = [
-    "streamer_client.request.StreamRequest",
+    "streamer_client._request.StreamRequest",
     "streamer_service.embedded.engine.EngineConfig",
 ]
 
@@ -155,7 +161,8 @@ def test_a_load_through_the_daemon_imports_nothing_heavy_nor_the_service(daemon,
     got = _light_load(sample, device, d.rank_env())
     assert (got["attempted"], got["loaded"]) == ([], [])
     assert not got["service"], "the rank fell back to loading in-process, or imported the service"
-    assert got["dataclasses"] == ["streamer_client.request.StreamRequest"]
+    assert got["dataclasses"] == ["streamer_client._request.StreamRequest"]
+    assert [m for m in got["ours"] if m in OLD_NAMES] == []
     assert got["devices"] == [device]
     assert got["digests"] == _digests(sample)
 
@@ -170,9 +177,9 @@ NOT_FOR_A_LOCAL_LOAD = (
     "streamer_service.storage.gcs",
     "streamer_service.storage.azure",
     "streamer_service.daemon",
-    "streamer_client.connection",
-    "streamer_client.daemon",
-    "streamer_client.protocol",
+    "streamer_client._connection",
+    "streamer_client._daemon",
+    "streamer_client._protocol",
 )
 OTHER_PATH = {
     "cpu": ("streamer_service.readers.mapped", "streamer_service.embedded.staged"),

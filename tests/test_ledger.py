@@ -9,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from streamer_client.protocol import Handle
+from streamer_client._protocol import Handle
 from streamer_service.daemon.ledger import UNLEASED_SHARE, RankLedger, RankStatus
 from streamer_service.daemon.process import ProcessWatch
 

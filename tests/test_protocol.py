@@ -1,12 +1,13 @@
-"""The wire format both sides import (streamer_client.protocol): round trips and error bodies."""
+"""The wire format both sides import (streamer_client._protocol): round trips and error bodies."""
 
 from __future__ import annotations
 
 import json
 import pickle
 
-from streamer_client import errors, protocol
-from streamer_client.protocol import Handle, JoinReply, NextReply
+from streamer_client import _protocol as protocol
+from streamer_client import errors
+from streamer_client._protocol import Handle, JoinReply, NextReply
 
 
 def _wire(obj):
@@ -105,7 +106,7 @@ def test_a_join_reply_carries_the_segments_page_size_whether_they_are_in_memory_
 
 
 def test_a_cuda_rank_stages_segments_in_memory_and_a_first_load_of_small_page_ones_with_auto(monkeypatch):
-    from streamer_client import receiver
+    from streamer_client import _receiver as receiver
 
     monkeypatch.setattr(receiver.copier, "available", lambda: True)
     assert receiver.staged("auto", reloading=False, huge_pages=False)

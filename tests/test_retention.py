@@ -17,7 +17,7 @@ import pytest
 from daemon_harness import DaemonProcess, finish, finish_failed, segment_files
 from prometheus_client.parser import text_string_to_metric_families
 
-from streamer_client import protocol
+from streamer_client import _protocol as protocol
 from streamer_service.checkpoint.catalog import build_catalog
 from streamer_service.checkpoint.plan import BatchKind, build_plan
 from streamer_service.daemon.resident import ResidentStore

@@ -29,15 +29,15 @@ from smaps import resident_bytes
 from test_cuda import FakeCudart
 
 import streamer_client
-from streamer_client import delivery
-from streamer_client.daemon import DaemonClient
-from streamer_client.dtypes import torch_layout
-from streamer_client.fence import Fence
-from streamer_client.host_memory import anonymous
-from streamer_client.pinning import HostPinner
-from streamer_client.protocol import Handle
-from streamer_client.receiver import Receiver
-from streamer_client.segments import POPULATE_PIECE, SegmentMaps, segment_maps
+from streamer_client import _delivery as delivery
+from streamer_client._daemon import DaemonClient
+from streamer_client._dtypes import torch_layout
+from streamer_client._fence import Fence
+from streamer_client._host_memory import anonymous
+from streamer_client._pinning import HostPinner
+from streamer_client._protocol import Handle
+from streamer_client._receiver import Receiver
+from streamer_client._segments import POPULATE_PIECE, SegmentMaps, segment_maps
 
 
 @pytest.fixture

@@ -18,8 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from streamer_client._protocol import Handle
 from streamer_client.errors import SessionError, StreamerError
-from streamer_client.protocol import Handle
 from streamer_service.checkpoint import versions as versions_module
 from streamer_service.checkpoint.open import open_checkpoint
 from streamer_service.checkpoint.plan import select

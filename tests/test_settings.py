@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 import streamer_client
+from streamer_client._settings import SETTINGS, Secret
 from streamer_client.errors import ConfigError, SettingsError
-from streamer_client.settings import SETTINGS, Secret
 from streamer_service.settings import Settings, get_settings, read_settings
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from streamer_client import settings as plain
+from streamer_client import _settings as plain
 from streamer_client.errors import SettingsError
 from streamer_service import settings as service
 

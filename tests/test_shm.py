@@ -1,6 +1,6 @@
 """Shared-memory segments as mapped: every page mapped already where populated (the daemon's, as
 Run:ai's threads write into them; a rank's for CPU copies), with or without the kernel's
-piecewise populate (``streamer_client.segments.map_shared``), which leaves the GIL to the process's
+piecewise populate (``streamer_client._segments.map_shared``), which leaves the GIL to the process's
 other threads."""
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 from smaps import resident_bytes
 
-from streamer_client import segments
-from streamer_client.segments import map_segment
+from streamer_client import _segments as segments
+from streamer_client._segments import map_segment
 from streamer_service.daemon import shm
 from streamer_service.daemon.generations import TABLE_SUFFIX
 from streamer_service.daemon.shm import Segment
@@ -153,7 +153,7 @@ def test_populating_pages_leaves_the_gil_to_the_process_s_other_threads():
         import sys, threading
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         from held_pages import HeldPages
-        from streamer_client.segments import populate_pages
+        from streamer_client._segments import populate_pages
 
         held = HeldPages(8 * {MIB}, release_after_s=60)
         done = threading.Event()

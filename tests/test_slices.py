@@ -20,7 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save, save_file
 
 import streamer_client
-from streamer_client import slicing
+from streamer_client import _slicing as slicing
 from streamer_client.errors import ConfigError, SelectionError
 
 TENSORS = {

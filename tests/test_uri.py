@@ -2,8 +2,8 @@ import os
 
 import pytest
 
+from streamer_client._protocol import error_body
 from streamer_client.errors import InvalidURIError, ObjectNotFoundError
-from streamer_client.protocol import error_body
 from streamer_service.uri import Scheme, parse_uri
 
 

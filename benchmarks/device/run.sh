@@ -55,7 +55,7 @@ python3 -m compileall -q client/streamer_client streamer_service /tmp/site \
     nproc; uname -r; python3 --version; ldd --version | head -1; getconf PAGE_SIZE
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
     grep -E ' /dev/shm | /tmp ' /proc/mounts; cat /sys/kernel/mm/transparent_hugepage/shmem_enabled
-    python3 -c "import streamer_client.copier as c; print('native copier', c.available(), c.COPY_THREADS, 'threads')"
+    python3 -c "import streamer_client._native_copier as c; print('native copier', c.available(), c.COPY_THREADS, 'threads')"
 } 2>&1 | tee "$OUT/machine.txt"
 
 THP=/mnt/cold-start-thp

@@ -9,29 +9,31 @@ Public API (the names other projects rely on)::
 
 with ``errors``, ``StreamerError`` and ``__version__``: ``__all__``, listed in docs/client.md,
 "Public API", with the public modules besides (``errors``, ``integrations``). The package's other
-modules are internal.
+modules are internal: their names start with ``_``. Their old names (``streamer_client/_deprecated.py``)
+still import, with a ``DeprecationWarning``, until they are removed.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from . import errors, slicing
+from . import _slicing, errors
+from ._launch import resolve_launch_id
+from ._request import StreamRequest
+from ._settings import DEFAULT_SOCKET, Settings, parse_argument
 from .errors import StreamerError
-from .launch import resolve_launch_id
-from .request import StreamRequest
-from .settings import DEFAULT_SOCKET, Settings, parse_argument
 
 if TYPE_CHECKING:
     import torch
 
-    from .slicing import Slice
+    from ._slicing import Slice
 
 __all__ = ["pull_metadata", "stream", "load_state_dict", "errors", "StreamerError", "__version__"]
 
@@ -59,20 +61,20 @@ def pull_metadata(
     """
     if cache_dir is not None:
         cache_dir = parse_argument("cache_dir", cache_dir, "cache_dir")
-    client = _daemon(socket, require_daemon)
+    client = _daemon_client(socket, require_daemon)
     if client is not None:
         _say_in_process_only(["cache_dir"] if cache_dir is not None else [], client)
         with contextlib.closing(client):
             # The rank's TRTLLM_OBJECT_STORAGE_FORCE_PULL, as stream() sends it: the daemon's
             # environment is not the rank's: a forced stream() must not be served a stale config.
             force = Settings().if_given("force_pull") if force is None else force
-            from . import protocol
+            from . import _protocol as protocol
 
             body = protocol.MetadataRequest(os.fspath(uri), force, launch_id or _launch_id())
             return Path(
                 protocol.MetadataReply.from_wire(client.call(protocol.METADATA_PATH, body.to_wire(), read_timeout=None)).path
             )
-    from .in_process import pull_in_process
+    from ._in_process import pull_in_process
 
     return pull_in_process(uri, cache_dir=cache_dir, force=force, launch_id=launch_id)
 
@@ -84,7 +86,7 @@ def _launch_id() -> str:
     return resolve_launch_id(Settings())
 
 
-def _daemon(socket: str | os.PathLike | None, require: bool = False):
+def _daemon_client(socket: str | os.PathLike | None, require: bool = False):
     """A client for the daemon (``socket``, ``STREAMER_SOCKET`` or ``DEFAULT_SOCKET``), or None:
     in-process mode, logged once. ``require`` (or ``STREAMER_REQUIRE_DAEMON=1``): none is an error."""
     global _said_embedded
@@ -93,7 +95,7 @@ def _daemon(socket: str | os.PathLike | None, require: bool = False):
     path = configured if configured is not None else DEFAULT_SOCKET
     require = require or settings.require_daemon
     if configured is not None or require or os.path.exists(path):
-        from .connection import DaemonClient
+        from ._connection import DaemonClient
 
         token = settings.token.get_secret_value() if settings.token else None
         client = DaemonClient(path, connect_timeout_s=settings.connect_timeout_s, token=token)
@@ -179,7 +181,7 @@ def stream(
         uri=os.fspath(uri) if isinstance(uri, os.PathLike) else uri,
         select=_names(select),
         priority=_names(priority),
-        slices=slicing.parse(slices),
+        slices=_slicing.parse(slices),
         rank=rank,
         world_size=world_size,
         device=device,
@@ -190,13 +192,13 @@ def stream(
         budget=budget,
         cache_dir=cache_dir,
     )
-    client = _daemon(socket, require_daemon)
+    client = _daemon_client(socket, require_daemon)
     if client is not None:
-        from .daemon import daemon_stream
+        from ._daemon import daemon_stream
 
         _say_in_process_only(request.in_process_only(), client)
         return daemon_stream(client, dataclasses.replace(request, launch_id=launch_id or _launch_id()))
-    from .in_process import stream_in_process
+    from ._in_process import stream_in_process
 
     return stream_in_process(request)
 
@@ -204,7 +206,7 @@ def stream(
 def _daemon_serves(socket: str | os.PathLike | None = None, require: bool = False) -> bool:
     """Whether a load with these arguments goes through a daemon (for adapters that size an
     in-process load themselves); raises as the load would when ``require`` finds none."""
-    client = _daemon(socket, require)
+    client = _daemon_client(socket, require)
     if client is None:
         return False
     client.close()
@@ -235,7 +237,7 @@ def _say_in_process_only(given: list[str], client) -> None:
 
 def _progress_mode(asked: bool) -> str:
     """The bar mode for a ``stream`` call: ``off`` unless asked; tqdm checked now, before any work."""
-    from . import progress
+    from . import _progress as progress
 
     mode = Settings().progress if asked else "off"
     if mode != "off":
@@ -250,3 +252,14 @@ def load_state_dict(uri: str | os.PathLike, **kwargs) -> dict[str, torch.Tensor]
 
         raise ConfigError("load_state_dict keeps every tensor: borrowed views cannot be kept")
     return dict(stream(uri, **kwargs))
+
+
+def __getattr__(name: str):
+    """An old name of an internal module (``_deprecated.MOVED``) reached as the package's attribute:
+    the module, imported under that name (with its ``DeprecationWarning``)."""
+    if not name.startswith("_"):
+        from ._deprecated import MOVED
+
+        if name in MOVED:
+            return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

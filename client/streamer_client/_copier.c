@@ -1,10 +1,10 @@
 /* A pool of native threads that copy byte ranges between addresses of this process.
  *
- * What it is for (streamer_client/copier.py, its Python side): bytes already in memory copied into
+ * What it is for (streamer_client/_native_copier.py, its Python side): bytes already in memory copied into
  * buffers of ours. The embedded engine reads a checkpoint in a local directory by mapping its files
  * and copying each batch's ranges into a ring slot (streamer_service/readers/mapped.py); a rank copies a
  * daemon segment's bytes into its CPU tensors or into its pinned staging buffers
- * (streamer_client/delivery.py). The copies run here, on threads that never touch the
+ * (streamer_client/_delivery.py). The copies run here, on threads that never touch the
  * interpreter: one call queues a batch (split into chunks), one call waits for it with the GIL
  * released. Python threads doing the same copies contend for the GIL between chunks
  * and run slower for it; here the
@@ -758,7 +758,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "_copier", "Native threads that copy byte ranges (streamer_client/copier.py).", -1, methods,
+    PyModuleDef_HEAD_INIT, "_copier", "Native threads that copy byte ranges (streamer_client/_native_copier.py).", -1, methods,
 };
 
 PyMODINIT_FUNC PyInit__copier(void) { return PyModule_Create(&module); }

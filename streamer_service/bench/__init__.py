@@ -78,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _config(args: argparse.Namespace, work: Path):
-    from streamer_client.settings import byte_size
+    from streamer_client._settings import byte_size
 
     from ..readers.runai import BUFFERED_FS_STRATEGY
     from .ranks import Mode

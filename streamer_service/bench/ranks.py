@@ -125,7 +125,7 @@ def _preload(mode: Mode) -> None:
     if mode is Mode.RUNAI:
         import runai_model_streamer  # noqa: F401
     elif mode is Mode.DAEMON:
-        import streamer_client.daemon  # noqa: F401
+        import streamer_client._daemon  # noqa: F401
     elif mode is Mode.EMBEDDED:
         import streamer_client  # noqa: F401
 

@@ -31,7 +31,7 @@ import json
 import struct
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from streamer_client.dtypes import DTYPES
+from streamer_client._dtypes import DTYPES
 from streamer_client.errors import HeaderError
 
 if TYPE_CHECKING:

@@ -38,8 +38,8 @@ from collections.abc import Mapping, Sequence, Set
 from types import MappingProxyType
 from typing import NamedTuple
 
+from streamer_client._slicing import Cut
 from streamer_client.errors import ConfigError, SelectionError
-from streamer_client.slicing import Cut
 
 from .header import TensorInfo
 

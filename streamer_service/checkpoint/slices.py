@@ -1,11 +1,11 @@
 """A load's slices over the checkpoint's tensors: what is read of a sliced tensor, and what is
-left to cut once it is read (:mod:`streamer_client.slicing` defines slices and cuts)."""
+left to cut once it is read (:mod:`streamer_client._slicing` defines slices and cuts)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from streamer_client.slicing import Cut
+from streamer_client._slicing import Cut
 
 from .header import TensorInfo
 

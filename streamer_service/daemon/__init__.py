@@ -1,7 +1,7 @@
 """The node daemon: one read of each byte per node, served to many ranks through shared memory.
 
 Owns the HTTP service (:mod:`.server`: sockets and uvicorn, with :mod:`.stop_signals`; :mod:`.api`:
-the routes of the wire protocol, ``streamer_client.protocol``), the daemon's state (:mod:`.core`:
+the routes of the wire protocol, ``streamer_client._protocol``), the daemon's state (:mod:`.core`:
 sessions by key, the memory budget, the reaper; :mod:`.readiness`), a session and its ranks
 (:mod:`.session`, :mod:`.ledger`, :mod:`.session_buffers`), shared memory (:mod:`.shm`,
 :mod:`.pages`) and the bytes kept for later loads (:mod:`.resident`), rank processes

@@ -1,6 +1,6 @@
 """The daemon's HTTP API (FastAPI on a unix socket). ``create_app(settings)``; nothing at import.
 
-Routes (JSON in the format of ``streamer_client.protocol``, which both sides import; errors are
+Routes (JSON in the format of ``streamer_client._protocol``, which both sides import; errors are
 ``{"error": {"type", "message", "uri", "key"}}`` with the class name from ``streamer_client.errors``,
 which the client raises again):
 
@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 from streamer_client import errors
-from streamer_client.protocol import ERROR_TEXT_LIMIT, JoinReply, MetadataReply, NextReply, error_body
+from streamer_client._protocol import ERROR_TEXT_LIMIT, JoinReply, MetadataReply, NextReply, error_body
 
 from ..readers.choice import local_reader_in_force
 from ..readers.runai import read_parallelism_in_force
@@ -127,7 +127,7 @@ def _is_json(content_type: bytes) -> bool:
 
 
 class _Model(BaseModel):
-    """A request body as the daemon validates it: the fields of its class in ``streamer_client.protocol``
+    """A request body as the daemon validates it: the fields of its class in ``streamer_client._protocol``
     (tests/test_protocol.py compares them), with their limits."""
 
     model_config = ConfigDict(extra="forbid")
@@ -151,7 +151,7 @@ class JoinRequest(_Model):
     pins: bool = Field(default=False, strict=True)  # the rank may page-lock segments (JoinReply.ring_slots)
     dtypes: list[Annotated[str, Field(max_length=64)]] | None = Field(default=None, max_length=256)  # the rank's torch's
     fence: bool = Field(default=False, strict=True)  # the rank checks segment generations (JoinReply.generations)
-    # The parts of tensors the rank keeps (streamer_client.slicing): name -> its pieces.
+    # The parts of tensors the rank keeps (streamer_client._slicing): name -> its pieces.
     slices: (
         dict[Annotated[str, Field(max_length=4096)], Annotated[list[_Piece], Field(min_length=1, max_length=MAX_PIECES)]] | None
     ) = Field(default=None, max_length=MAX_LIST)

@@ -14,8 +14,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from streamer_client import slicing
-from streamer_client.dtypes import WITH_TORCH_DTYPE, check_loadable
+from streamer_client import _slicing as slicing
+from streamer_client._dtypes import WITH_TORCH_DTYPE, check_loadable
 from streamer_client.errors import SessionError, StreamerError
 
 from ..access import AllowList, file_mode

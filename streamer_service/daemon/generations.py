@@ -12,7 +12,7 @@ counter never repeats, so an entry reused by another segment never matches an ol
 The file exists while the daemon has a live segment: made with the first, unlinked with the last,
 so an idle daemon's shm dir is empty. A table made again is a new file of the same name; the
 counter goes on, so a rank that still maps the old one sees a mismatch and maps the new one
-(``streamer_client.fence``) before it decides.
+(``streamer_client._fence``) before it decides.
 """
 
 from __future__ import annotations

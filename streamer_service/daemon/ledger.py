@@ -27,7 +27,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from streamer_client.protocol import Handle
+from streamer_client._protocol import Handle
 
 from .process import ProcessWatch
 from .stats import RankSummary

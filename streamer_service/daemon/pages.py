@@ -9,7 +9,7 @@ would be a small one). Page-locking and first-touch costs fall with the page
 count (``cudaHostRegister`` works page by page, and a 2 MiB page stands for 512
 small ones), so a CUDA rank
 page-locks huge-page segments for a cold load and stages 4 KiB ones
-(``streamer_client.daemon``). hugetlbfs has a fixed pool: ``posix_fallocate``
+(``streamer_client._daemon``). hugetlbfs has a fixed pool: ``posix_fallocate``
 reserves a segment's pages up front, so an exhausted pool is a clear error when
 the segment is made, never a SIGBUS on first touch; and nothing here
 ``write()`` s to a segment (hugetlbfs has no write()).

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from streamer_client.connection import DaemonClient
+from streamer_client._connection import DaemonClient
 from streamer_client.errors import ConfigError, DaemonError
 
 from .metrics import CONTENT_TYPE

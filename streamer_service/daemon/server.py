@@ -18,7 +18,7 @@ from pathlib import Path
 
 import uvicorn
 
-from streamer_client.connection import DaemonClient
+from streamer_client._connection import DaemonClient
 from streamer_client.errors import ConfigError, InvalidURIError
 
 from ..access import check_shared_access, socket_mode

@@ -3,7 +3,7 @@
 A session is keyed by the client (default: launch id + URI). It waits for all ``world_size`` ranks
 to join (who may join: ``roster``), plans the union of their selections, and streams it once through
 a reader into a bounded ring of shared-memory segments. Each loaded batch is published to the ranks
-that need tensors of it, as handles (``streamer_client.protocol.Handle``: batch, segment, offset,
+that need tensors of it, as handles (``streamer_client._protocol.Handle``: batch, segment, offset,
 nbytes, name, dtype, shape and whether the segment is the batch's own); a segment is recycled when
 every rank that got handles into it has released them. A slow rank holds segments and so applies
 backpressure; nothing is ever fetched twice.
@@ -35,8 +35,8 @@ import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 
+from streamer_client._protocol import Handle
 from streamer_client.errors import ObjectChangedError, ObjectNotFoundError, SessionError, StreamerError
-from streamer_client.protocol import Handle
 
 from ..checkpoint.catalog import TensorInfo
 from ..checkpoint.open import Checkpoint

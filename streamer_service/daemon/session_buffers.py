@@ -49,7 +49,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from streamer_client.protocol import Handle
+from streamer_client._protocol import Handle
 
 from ..checkpoint.catalog import TensorInfo
 from ..checkpoint.plan import Batch, BatchKind, Placement, Plan

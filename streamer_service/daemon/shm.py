@@ -49,8 +49,8 @@ from pathlib import Path
 
 import numpy as np
 
+from streamer_client._segments import POPULATE_PIECE, map_shared, populate_shares, populates_piecewise
 from streamer_client.errors import ConfigError
-from streamer_client.segments import POPULATE_PIECE, map_shared, populate_shares, populates_piecewise
 
 from .generations import TABLE_SUFFIX, Generations
 from .pages import Pages, detect_pages
@@ -183,7 +183,7 @@ def _allocated(fd: int, path: Path, nbytes: int, pages: Pages | None) -> mmap.mm
     here instead of a SIGBUS in a writing thread. A segment of at least two :data:`FILL_SHARE` s
     (an oversized tensor's) is filled by :data:`FILL_THREADS` threads side by side, each faulting
     its share in (``MADV_POPULATE_WRITE``); any other is zero-filled by ``posix_fallocate`` and then
-    mapped (:func:`~streamer_client.segments.map_shared`). hugetlbfs always goes the second way:
+    mapped (:func:`~streamer_client._segments.map_shared`). hugetlbfs always goes the second way:
     its ``fallocate`` reserves the huge pages."""
     piece = max(POPULATE_PIECE, pages.size if pages else 0)
     threads = min(FILL_THREADS, nbytes // FILL_SHARE)

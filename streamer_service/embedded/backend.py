@@ -1,6 +1,6 @@
 """The in-process backend of ``streamer_client``: registered in the entry point group
 ``streamer_client.backends`` as ``in_process`` (``pyproject.toml``), found by
-``streamer_client.in_process`` on a rank's first load without a daemon.
+``streamer_client._in_process`` on a rank's first load without a daemon.
 
 Importing this module is cheap: each function imports what it needs when called, so a pull of
 metadata imports neither torch nor Run:ai.
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from streamer_client.request import StreamRequest
+    from streamer_client._request import StreamRequest
 
     from ..settings import Settings
 

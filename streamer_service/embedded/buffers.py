@@ -21,7 +21,7 @@ and registering new ones. The rules:
 - idle slots are unpinned and unmapped after ``idle_s`` seconds (:data:`IDLE_S`) by a janitor
   thread that runs only while idle slots exist, and at :meth:`PinnedPool.close`.
 
-What is pinned is counted (:class:`PoolStats`); the CUDA part is :class:`streamer_client.pinning.HostPinner`
+What is pinned is counted (:class:`PoolStats`); the CUDA part is :class:`streamer_client._pinning.HostPinner`
 (tests pass one over a fake runtime, so these rules are checked without a GPU).
 """
 
@@ -33,11 +33,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-from streamer_client.counters import Counters
-from streamer_client.devices import device_context
-from streamer_client.host_memory import anonymous
-from streamer_client.per_process import PerProcess
-from streamer_client.pinning import HostPinner
+from streamer_client._counters import Counters
+from streamer_client._devices import device_context
+from streamer_client._host_memory import anonymous
+from streamer_client._per_process import PerProcess
+from streamer_client._pinning import HostPinner
 
 __all__ = ["IDLE_S", "HostBuffer", "PinnedPool", "PoolStats", "pinned_pool"]
 
@@ -55,7 +55,7 @@ class HostBuffer:
     __slots__ = ("array", "address", "nbytes", "__weakref__")
 
     def __init__(self, nbytes: int) -> None:
-        # Private and advised for huge pages (streamer_client.host_memory): fresh buffers are
+        # Private and advised for huge pages (streamer_client._host_memory): fresh buffers are
         # filled only as fast as their pages fault in.
         self.array = anonymous(nbytes)
         self.address = self.array.ctypes.data

@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from streamer_client.dtypes import check_loadable
+from streamer_client._dtypes import check_loadable
+from streamer_client._request import target
+from streamer_client._slicing import Cut, Slices, cuts, take
 from streamer_client.errors import BorrowedTensorError, ConfigError
-from streamer_client.request import target
-from streamer_client.slicing import Cut, Slices, cuts, take
 
 from ..checkpoint.catalog import Catalog
 from ..checkpoint.plan import DEFAULT_ALIGN, Plan, build_plan
@@ -120,7 +120,7 @@ class EmbeddedEngine:
 
     def plan(self, select: list[str] | None = None, priority: list[str] | None = None, slices: Slices | None = None) -> Plan:
         """Select (names / prefixes, see :func:`streamer_service.checkpoint.plan.select`) and plan for this
-        engine's slots; with ``slices`` (:mod:`streamer_client.slicing`) each sliced tensor is read only
+        engine's slots; with ``slices`` (:mod:`streamer_client._slicing`) each sliced tensor is read only
         over the rows that hold its slice, and :meth:`stream` cuts it (``Plan.cuts``). Raises
         :class:`SelectionError` without reading anything."""
         tensors = select_tensors(self.catalog.tensors, select, priority)

@@ -47,7 +47,7 @@ Delivery modes (safe by default; docs/architecture.md):
   :class:`~streamer_service.embedded.buffers.PinnedPool` for the next load (slot sizes
   rounded up to whole 2 MiB so that they repeat);
   each batch's copies are queued ``non_blocking`` on the stream's own CUDA
-  stream (:class:`streamer_client.cuda.PinnedCopier`), overlapping the reads
+  stream (:class:`streamer_client._cuda.PinnedCopier`), overlapping the reads
   into other slots, and the caller's current stream waits for them before the
   first tensor is yielded. A slot goes back to the ring only once its copies
   have completed. An oversized tensor is read in parts of a slot each, each
@@ -71,9 +71,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from streamer_client import delivery
-from streamer_client.cuda import PinnedCopier
-from streamer_client.dtypes import torch_layout
+from streamer_client import _delivery as delivery
+from streamer_client._cuda import PinnedCopier
+from streamer_client._dtypes import torch_layout
 
 from ..checkpoint.plan import Batch, BatchKind, Part, Placement, Plan, build_plan, in_parts
 from ..load.pipeline import Load, Pipeline, Versions

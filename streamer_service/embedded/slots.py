@@ -13,7 +13,7 @@ import functools
 import weakref
 from typing import TYPE_CHECKING
 
-from streamer_client.leases import Leases
+from streamer_client._leases import Leases
 
 from ..load.ring import Ring
 from .buffers import HostBuffer, PinnedPool

@@ -2,7 +2,7 @@
 
 A daemon's rank stages the bytes of its segments: the native copier's threads copy them, a window
 at a time, into the process's small page-locked staging ring, and each window's host-to-device
-copies run while the next one fills (:class:`streamer_client.delivery.Staging`). A local file is
+copies run while the next one fills (:class:`streamer_client._delivery.Staging`). A local file is
 the same kind of source: mapped once (:func:`~streamer_service.readers.mapped.file_maps`, kept
 across loads), its tensors' bytes are at known addresses. So an embedded load of a local directory
 to a device goes the same way, with no read into a ring of its own first: the bytes are copied
@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from streamer_client import delivery
-from streamer_client.cuda import PinnedCopier
+from streamer_client import _delivery as delivery
+from streamer_client._cuda import PinnedCopier
 from streamer_client.errors import StorageError
 
 from ..checkpoint.header import TensorInfo

@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import torch
 
-from streamer_client.progress import track
-from streamer_client.request import StreamRequest
+from streamer_client._progress import track
+from streamer_client._request import StreamRequest
 
 from ..checkpoint.open import open_checkpoint
 from ..checkpoint.versions import ObjectVersions

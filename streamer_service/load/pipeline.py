@@ -33,7 +33,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
-from streamer_client.counters import Counters
+from streamer_client._counters import Counters
 from streamer_client.errors import StorageError
 
 from ..checkpoint.plan import Batch, Plan

@@ -35,6 +35,8 @@ from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 from typing import NamedTuple
 
+from streamer_client._launch import launch_origin, resolve_launch_id
+from streamer_client._progress import bar
 from streamer_client.errors import (
     CacheError,
     CheckpointError,
@@ -43,8 +45,6 @@ from streamer_client.errors import (
     StreamerError,
     UnsafeKeyError,
 )
-from streamer_client.launch import launch_origin, resolve_launch_id
-from streamer_client.progress import bar
 
 from ..access import dir_mode, file_mode
 from ..settings import Settings

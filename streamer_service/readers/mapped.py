@@ -13,7 +13,7 @@ version checks are the same for both:
   not used by a load for ``idle_s`` seconds (:data:`IDLE_S`) are dropped, so a checkpoint deleted
   from tmpfs gives its memory back then at the latest;
 - every batch's ranges are copied by the process's native copier
-  (:mod:`streamer_client.copier`), split into
+  (:mod:`streamer_client._native_copier`), split into
   chunks; the interpreter queues a batch with one call and waits for it with one call, the GIL
   released. Python threads copying the same chunks are slower: they need the GIL
   between chunks;
@@ -47,10 +47,10 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-from streamer_client import copier
-from streamer_client.copier import _copier  # None where it did not build: Run:ai reads local files
+from streamer_client import _native_copier as copier
+from streamer_client._native_copier import _copier  # None where it did not build: Run:ai reads local files
+from streamer_client._per_process import PerProcess
 from streamer_client.errors import ObjectChangedError, StorageError
-from streamer_client.per_process import PerProcess
 
 from .base import FileReads, RangeResult, ReadRange
 
@@ -169,7 +169,7 @@ class FileMaps:
 
 
 # A forked child has not the mappings' timer: it makes its own on first use (and its own copier
-# pool: streamer_client.copier).
+# pool: streamer_client._native_copier).
 _MAPS: PerProcess[FileMaps] = PerProcess(FileMaps)
 
 

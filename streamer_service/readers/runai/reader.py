@@ -32,13 +32,13 @@ from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
+from streamer_client._waits import slice_ms
 from streamer_client.errors import (
     ConfigError,
     ObjectChangedError,
     StorageError,
     StorageUnavailableError,
 )
-from streamer_client.waits import slice_ms
 
 from ..base import FileReads, RangeResult
 from .contract import FS_STRATEGY_SYMBOL, load_native
