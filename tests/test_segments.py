@@ -153,7 +153,8 @@ def test_the_janitor_unmaps_segments_the_daemon_unlinked_after_the_last_load(shm
     assert path.name in maps.mapped()  # kept for the next load while the file is there
     path.unlink()  # the daemon gave it back; this process loads nothing more
     deadline = time.monotonic() + 30
-    while maps.mapped() and time.monotonic() < deadline:
+    # The janitor takes the segment out of its table, then unmaps it: wait for both.
+    while (maps.mapped() or str(path) in _mapped_paths()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert maps.mapped() == {} and str(path) not in _mapped_paths()
 
