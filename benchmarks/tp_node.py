@@ -676,6 +676,7 @@ def orchestrate(args) -> int:
 
     command = " ".join(["python3", "benchmarks/tp_node.py", *sys.argv[1:]])
     header = [machine(args.device), f"command: {command}"]
+    load_at_start = os.getloadavg()[0]  # a machine shared with other work: its load says how noisy the walls are
     print(header[0], flush=True)
     work = Path(tempfile.mkdtemp(prefix="tp-node-", dir=args.disk_dir))
     daemons: dict[str, ChildDaemon] = {}
@@ -768,6 +769,7 @@ def orchestrate(args) -> int:
                 break
 
         summary, targets = summarize(rows, model, cuda, rate)
+        header.append(f"load average (1 min): {load_at_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
         report(summary, targets, header, counted)
         problems = [f"FAILED {r.name}: {r.failed.splitlines()[0]}" for r in rows if r.failed]
         for s in summary:

@@ -14,9 +14,9 @@
 # and not used), installed with ONE `pip install --target`; this checkout with
 # client/streamer_client/_copier.abi3.so built (built here with gcc where it is missing): the
 # ranks' host copies are counted at the copier.
-# Time: sized for a call of at most 600 s on a 16-core H100 host: a 6.4 GB checkpoint, 3 rounds
-# of 5 rows after one round not counted; --time-limit stops before a round that would end past
-# LIMIT seconds and the table gives the rounds done.
+# Time: not run on a GPU machine yet. Sized to fit one call (600 s at most) on a 16-core H100 host:
+# a 6.4 GB checkpoint, 3 rounds of 5 rows after one round not counted; --time-limit starts no round
+# that would end past LIMIT seconds, and the table then gives the rounds done.
 # Environment: SIZE_GB (6.4), RANKS (8), ROUNDS (3), ROWS (cold,warm,full,vllm,runai), CHECK (1:
 # every rank checks every tensor bit-exact; 0: not), LIMIT (480, the bench's --time-limit), OUT
 # (where the log and the JSON go).
