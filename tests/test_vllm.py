@@ -61,10 +61,22 @@ def ipc_dir():
     shutil.rmtree(IPC_DIR, ignore_errors=True)
 
 
-def start_vllm(python: Path, model: str, load_format: str, out: Path, env: dict, extra: dict | None = None) -> subprocess.Popen:
-    args = [str(python), str(RUN), model, load_format, str(out)] + ([json.dumps(extra)] if extra else [])
+def start_vllm(
+    python: Path, model: str, load_format: str, out: Path, env: dict, extra: dict | None = None, tp: int = 1
+) -> subprocess.Popen:
+    args = [
+        str(python),
+        str(RUN),
+        model,
+        load_format,
+        str(out),
+        json.dumps(extra or {}),
+        json.dumps({"tensor_parallel_size": tp}),
+    ]
     log = open(out.with_suffix(".log"), "w")
     env = {**env, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_RPC_BASE_PATH": IPC_DIR}
+    if tp > 1:  # one core per rank: vLLM's CPU worker binds its OpenMP threads to these
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
     return subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -166,3 +178,162 @@ def test_vllm_rejects_an_unknown_option_by_name(vllm_python, tmp_path):
     assert result.stdout.strip().splitlines()[-1] == (
         "ConfigError --load-format streamer: unknown option 'sockett' (known: socket, session, budget, borrowed, uri)"
     )
+
+
+# --- tensor parallel: each rank's pieces (streamer_client.integrations.vllm_shards) -----------------
+
+
+def word_tokenizer(directory: Path, words: int) -> dict[str, int]:
+    """A word-level tokenizer (``t0`` ... ) saved to ``directory``, as tests/vllm_run.py's prompts need."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"t{i}": i + 3 for i in range(words)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>").save_pretrained(
+        directory
+    )
+    return vocab
+
+
+def wide_llama(directory: Path) -> Path:
+    """A Llama whose tensors a 2-rank vLLM cuts every way: 2 KV heads (split, not replicated), q/k/v
+    and MLP biases, a vocabulary of 250 (vLLM pads it to 256: the last rank's shard is 122 rows of
+    128), embeddings tied to the LM head."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    vocab = word_tokenizer(directory, 247)
+    config = LlamaConfig(
+        hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=64, vocab_size=len(vocab), max_position_embeddings=128, tie_word_embeddings=True,
+        attention_bias=True, mlp_bias=True, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):  # transformers starts them at zero: a wrong shard would not show
+                p.normal_(0, 0.5)
+    model.save_pretrained(directory, max_shard_size="500KB")
+    return directory
+
+
+def fused_phi3(directory: Path) -> Path:
+    """A Phi-3: ``qkv_proj`` and ``gate_up_proj`` fused on disk."""
+    import torch
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    vocab = word_tokenizer(directory, 253)
+    config = Phi3Config(
+        hidden_size=256, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=len(vocab), max_position_embeddings=128, tie_word_embeddings=False, bos_token_id=1,
+        eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(2)
+    Phi3ForCausalLM(config).save_pretrained(directory, max_shard_size="500KB")
+    return directory
+
+
+def run_tp2(python: Path, model: Path, load_format: str, directory: Path) -> dict:
+    """vLLM at 2 tensor-parallel ranks; with ``shards-check``, each rank's report as ``ranks``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    out = directory / f"{load_format}.json"
+    env = {**os.environ, "VLLM_RUN_SHARDS_DIR": str(directory)} if load_format == "shards-check" else dict(os.environ)
+    got = result_of(start_vllm(python, str(model), load_format, out, env, tp=2), out)
+    if load_format == "shards-check":
+        got["ranks"] = [json.loads((directory / f"rank{r}.json").read_text()) for r in range(2)]
+    return got
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory) -> Path:
+    return wide_llama(tmp_path_factory.mktemp("engines") / "wide")
+
+
+def uses_of(rank: dict, name: str) -> tuple[str, list]:
+    use, pieces, _, _ = rank["uses"][name]
+    return use, [tuple(p) for p in pieces]
+
+
+def assert_loaded_as_vllm_loads(rank: dict) -> None:
+    """The rank's parameters after its pieces are vLLM's own after its full load, byte for byte, and
+    every mark is off again."""
+    assert rank["differ"] == [], rank["summary"]
+    assert rank["marks_left"] == []
+    assert rank["requested_bytes"] <= 1.05 * rank["parameter_bytes"], rank["summary"]
+
+
+def test_at_tp2_each_rank_takes_only_its_pieces_with_one_kv_head_replicated(vllm_python, llama, tmp_path):
+    """The engines' Llama (2 heads, 1 KV head): each rank's q rows, o columns, MLP halves and
+    vocabulary half in pieces, k and v whole (both ranks keep the one KV head)."""
+    reference = run_tp2(vllm_python, llama, "auto", tmp_path / "auto")
+    got = run_tp2(vllm_python, llama, "shards-check", tmp_path / "shards")
+    assert got["token_ids"] == reference["token_ids"]
+    for r, rank in enumerate(got["ranks"]):
+        assert rank["rank"] == r
+        assert_loaded_as_vllm_loads(rank)
+        assert rank["fallbacks"] == {}
+        layer = "model.layers.1."
+        assert uses_of(rank, layer + "self_attn.q_proj.weight") == ("sliced", [(0, 64 * r, 64 * r + 64)])
+        assert uses_of(rank, layer + "self_attn.k_proj.weight") == ("replicated", [])
+        assert uses_of(rank, layer + "self_attn.v_proj.weight") == ("replicated", [])
+        assert uses_of(rank, layer + "self_attn.o_proj.weight") == ("sliced", [(1, 64 * r, 64 * r + 64)])
+        assert uses_of(rank, layer + "mlp.gate_proj.weight") == ("sliced", [(0, 128 * r, 128 * r + 128)])
+        assert uses_of(rank, layer + "mlp.down_proj.weight") == ("sliced", [(1, 128 * r, 128 * r + 128)])
+        assert uses_of(rank, layer + "input_layernorm.weight") == ("replicated", [])
+        assert uses_of(rank, "model.embed_tokens.weight") == ("sliced", [(0, 128 * r, 128 * r + 128)])
+        assert uses_of(rank, "lm_head.weight") == ("sliced", [(0, 128 * r, 128 * r + 128)])
+        assert rank["marked"][layer + "self_attn.qkv_proj.weight"] == "tp_rank 0 while loading"
+        assert rank["marked"]["lm_head.weight"] == "vocabulary rows loader"
+        # What the rank keeps, and no more: its halves, the whole KV projections and the norms.
+        assert rank["requested_bytes"] == rank["parameter_bytes"]
+
+
+def test_at_tp2_split_kv_heads_biases_a_padded_vocabulary_and_tied_embeddings(vllm_python, wide, tmp_path):
+    reference = run_tp2(vllm_python, wide, "auto", tmp_path / "auto")
+    got = run_tp2(vllm_python, wide, "shards-check", tmp_path / "shards")
+    assert got["token_ids"] == reference["token_ids"]
+    padding = 6 * 256 * 4  # rank 1's vocabulary rows 250..256: zeros, not in the checkpoint
+    for r, rank in enumerate(got["ranks"]):
+        assert_loaded_as_vllm_loads(rank)
+        assert rank["fallbacks"] == {}
+        layer = "model.layers.0."
+        assert uses_of(rank, layer + "self_attn.k_proj.weight") == ("sliced", [(0, 64 * r, 64 * r + 64)])
+        assert uses_of(rank, layer + "self_attn.q_proj.bias") == ("sliced", [(0, 128 * r, 128 * r + 128)])
+        assert uses_of(rank, layer + "mlp.up_proj.bias") == ("sliced", [(0, 128 * r, 128 * r + 128)])
+        assert uses_of(rank, layer + "self_attn.o_proj.bias") == ("replicated", [])
+        assert uses_of(rank, layer + "mlp.down_proj.bias") == ("replicated", [])
+        assert rank["marked"][layer + "self_attn.qkv_proj.bias"] == "is_sharded_weight"
+        assert rank["marked"][layer + "mlp.gate_up_proj.bias"] == "is_sharded_weight"
+        # The vocabulary: rank 1's piece is clipped to the checkpoint's 250 rows; the LM head is the
+        # embedding (tied), so the checkpoint has none.
+        assert uses_of(rank, "model.embed_tokens.weight") == ("sliced", [(0, 128 * r, min(128 * r + 128, 250))])
+        assert "lm_head.weight" not in rank["uses"]
+        assert rank["requested_bytes"] == rank["parameter_bytes"] - (padding if r == 1 else 0)
+
+
+def test_at_tp2_tensors_fused_on_disk_go_whole_and_the_rest_in_pieces(vllm_python, tmp_path):
+    """Phi-3's ``qkv_proj`` and ``gate_up_proj`` are fused on disk: the dry run finds each rank's
+    pieces (q, k, v; gate, up), but vLLM's fused path narrows at the full tensor's offsets even
+    where the parameter is marked, so the check run differs and those two go whole."""
+    got = run_tp2(vllm_python, fused_phi3(tmp_path / "phi3"), "shards-check", tmp_path / "shards")
+    for r, rank in enumerate(got["ranks"]):
+        assert rank["differ"] == [] and rank["marks_left"] == []
+        layer = "model.layers.0."
+        q, kv = 128, 64  # per rank: 2 of 4 heads, 1 of 2 KV heads, head_dim 64
+        assert uses_of(rank, layer + "self_attn.qkv_proj.weight") == (
+            "sliced",
+            [(0, q * r, q * r + q), (0, 256 + kv * r, 256 + kv * r + kv), (0, 384 + kv * r, 384 + kv * r + kv)],
+        )
+        assert uses_of(rank, layer + "mlp.gate_up_proj.weight") == (
+            "sliced",
+            [(0, 128 * r, 128 * r + 128), (0, 256 + 128 * r, 384 + 128 * r)],
+        )
+        assert set(rank["fallbacks"]) == {
+            f"model.layers.{i}.{m}" for i in range(2) for m in ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")
+        }
+        assert all(why.endswith("(for " + n + ", in pieces)") for n, why in rank["fallbacks"].items())
+        assert uses_of(rank, layer + "self_attn.o_proj.weight") == ("sliced", [(1, 128 * r, 128 * r + 128)])
+        assert layer + "self_attn.o_proj.weight" in rank["marked"]
