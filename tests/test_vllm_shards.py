@@ -227,6 +227,34 @@ def test_adjacent_pieces_are_merged():
     assert record(model.load_weights, targets_of(model), tensors).uses["qkv.weight"].pieces == ((0, 4, 12),)
 
 
+def test_experts_loaded_through_unsqueeze_and_unbind_into_a_stacked_parameter_are_followed():
+    """vLLM's FusedMoE: each expert tensor as ``unsqueeze(0).unbind()``, its rank's rows narrowed
+    into that expert's part of a stacked parameter (``param.data[expert]``); the experts of other
+    expert-parallel ranks return without a write."""
+    rank, shard = 1, 2
+    w13 = nn.Parameter(torch.zeros(2, 2 * shard, 3), requires_grad=False)  # experts 2 and 3: gate rows, up rows
+    local = {2: 0, 3: 1}
+
+    def load(weights):
+        for name, w in weights:
+            _, expert, kind = name.split(".")
+            for loaded in w.unsqueeze(0).unbind():
+                if int(expert) not in local:
+                    continue
+                data = w13.data[local[int(expert)]]
+                part = data.narrow(0, 0 if kind == "w1" else shard, shard)
+                part.copy_(loaded.narrow(0, rank * shard, shard))
+
+    tensors = {f"experts.{e}.{kind}": spec(4, 3) for e in range(4) for kind in ("w1", "w3")}
+    got = record(load, {"w13": w13}, tensors)
+    assert {name: use.use for name, use in got.uses.items() if use.use is not Use.SLICED} == {
+        f"experts.{e}.{kind}": Use.SKIPPED for e in (0, 1) for kind in ("w1", "w3")
+    }
+    assert got.uses["experts.3.w3"] == TensorUse(Use.SLICED, ((0, 2, 4),), ("w13",))
+    assert [lnd.region for lnd in got.landings if lnd.source == "experts.3.w3"] == [((1, 2), (2, 4), (0, 3))]
+    assert not w13.any()
+
+
 def test_pieces_follow_where_they_land_not_where_they_are():
     param = nn.Parameter(torch.zeros(4, 2), requires_grad=False)
 

@@ -4,7 +4,8 @@
 
 Greedy generation of a fixed prompt; writes token ids, text, the default sampling parameters
 (from generation_config.json) and the model config vLLM ended up with. ENGINE_JSON holds more
-arguments for ``LLM()`` (``tensor_parallel_size``). vLLM starts its engine and worker processes with
+arguments for ``LLM()`` (``tensor_parallel_size``); ``VLLM_RUN_GENERATE=0`` builds the engine and
+generates nothing. vLLM starts its engine and worker processes with
 spawn, which imports this file again in each: hence the ``__main__`` guard, and the load format
 below is registered at import, so that every worker has it.
 
@@ -24,6 +25,7 @@ import sys
 PROMPTS = ["t3 t1 t4 t1 t5 t9 t2 t6", "t10 t20 t30"]
 MAX_TOKENS = 12
 SHARDS_DIR = os.environ.get("VLLM_RUN_SHARDS_DIR")
+GENERATE = os.environ.get("VLLM_RUN_GENERATE", "1") != "0"
 
 
 def main(model: str, load_format: str, out: str, extra: str | None = None, engine: str | None = None) -> None:
@@ -43,7 +45,7 @@ def main(model: str, load_format: str, out: str, extra: str | None = None, engin
         seed=0,
     )
     greedy = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outputs = llm.generate(PROMPTS, greedy, use_tqdm=False)
+    outputs = llm.generate(PROMPTS, greedy, use_tqdm=False) if GENERATE else []
     config = llm.llm_engine.model_config
     defaults = llm.get_default_sampling_params()
     result = {

@@ -79,7 +79,8 @@ Piece = tuple[int, int, int]
 Box = tuple[tuple[int, int], ...]
 """``(start, stop)`` per dimension of a parameter."""
 Coords = tuple[tuple[tuple[int, int], ...], ...]
-"""Per dimension, the segments ``(start, stop)`` of a checkpoint tensor that a stand-in holds, in order."""
+"""Per dimension, the segments ``(start, stop)`` of a checkpoint tensor that a stand-in holds, in
+order. A stand-in's coords may also hold None: a dim of size 1 that ``unsqueeze`` added."""
 
 
 class TensorSpec(NamedTuple):
@@ -264,6 +265,9 @@ _SAME_ELEMENTS = frozenset(
 )
 # Ops that keep the elements but not their places: fine on a whole tensor (a scale read as shape [1]).
 _RESHAPES = frozenset({"view", "reshape", "view_as", "reshape_as", "flatten", "squeeze", "unsqueeze"})
+# Ops that add or take away dims of size 1: followed where the dims taken away are ones added
+# (vLLM's FusedMoE loads one expert as ``loaded_weight.unsqueeze(0).unbind()``).
+_UNIT_DIMS = frozenset({"unsqueeze", "squeeze", "unbind"})
 # In-place methods that write nothing a later load could see.
 _NOT_WRITES = frozenset({"requires_grad_", "share_memory_", "detach_"})
 
@@ -307,6 +311,11 @@ class _DryRun(TorchFunctionMode):
                     for dim, start, stop in cuts:
                         out = self._narrow(out, dim, start, stop - start)
                     return out
+            if op in _UNIT_DIMS and this.coords is not None:
+                coords = _unit_dims(op, this, args, kwargs)
+                if coords is not None:
+                    out = func(*args, **kwargs)
+                    return _tree_map(out, lambda t: _Standin.over(t, this.source, coords, self))
             if op in _RESHAPES and (this.coords is None or this.coords == _whole(self.tensors[this.source].shape)):
                 return _Standin.over(func(*args, **kwargs), this.source, None, self)
         out = func(*args, **kwargs)
@@ -321,9 +330,11 @@ class _DryRun(TorchFunctionMode):
         if start < 0:
             start += this.shape[dim]
         out = torch.Tensor.narrow(this, dim, start, length)  # raises where vLLM's would
-        if this.coords is None:
+        if this.coords is None or (this.coords[dim] is None and (start, length) != (0, 1)):
             self.unmap(this.source, "narrow of a reshaped tensor")
             return _Standin.over(out, this.source, None, self)
+        if this.coords[dim] is None:
+            return _Standin.over(out, this.source, this.coords, self)
         coords = this.coords[:dim] + (_cut(this.coords[dim], start, start + length),) + this.coords[dim + 1 :]
         return _Standin.over(out, this.source, coords, self)
 
@@ -347,6 +358,7 @@ class _DryRun(TorchFunctionMode):
             view = None
         region = None if view is None else _region(view, tensor)
         source = standins[0] if standins else None
+        coords = None if source is None or source.coords is None else tuple(c for c in source.coords if c is not None)
         copies = op in ("copy_", "__setitem__") and len(standins) == 1
         if source is not None and not copies:
             for standin in standins:
@@ -356,11 +368,7 @@ class _DryRun(TorchFunctionMode):
         extra = (
             "" if source is not None else repr([a for a in args[1:] if not isinstance(a, torch.Tensor)] + sorted(kwargs.items()))
         )
-        self.landings.append(
-            Landing(
-                target, region, op, None if source is None else source.source, None if source is None else source.coords, extra
-            )
-        )
+        self.landings.append(Landing(target, region, op, None if source is None else source.source, coords, extra))
         return args[0]
 
 
@@ -428,6 +436,25 @@ def _meta_like(this: _Standin, args, kwargs, op: str) -> torch.Tensor:
     return torch.empty(this.shape, dtype=dtype, device="meta")
 
 
+def _unit_dims(op: str, this: _Standin, args, kwargs) -> Coords | None:
+    """The coords of what ``op`` (``_UNIT_DIMS``) returns from ``this``, or None where it takes away
+    a dim of the checkpoint tensor or splits one."""
+    given = args[1] if len(args) > 1 else kwargs.get("dim")
+    if op == "unsqueeze":
+        dim = int(given) % (this.dim() + 1)
+        return this.coords[:dim] + (None,) + this.coords[dim:]
+    if op == "unbind":
+        dims = [int(0 if given is None else given) % this.dim()]
+    elif given is None:  # squeeze(): every dim of size 1
+        dims = [d for d in range(this.dim()) if this.shape[d] == 1]
+    else:
+        dims = [int(d) % this.dim() for d in (given if isinstance(given, (tuple, list)) else [given])]
+        dims = [d for d in dims if this.shape[d] == 1]
+    if any(this.coords[d] is not None or this.shape[d] != 1 for d in dims):
+        return None
+    return tuple(c for d, c in enumerate(this.coords) if d not in dims)
+
+
 def _narrow_args(args, kwargs) -> tuple[int, int, int]:
     values = list(args[1:]) + [kwargs[k] for k in ("dim", "start", "length") if k in kwargs]
     dim, start, length = (int(v) for v in values)
@@ -484,20 +511,30 @@ def _merged(segments: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...
 
 
 def _region(view: torch.Tensor, base: torch.Tensor) -> Box | None:
-    """The box of ``base`` that ``view`` (a tensor over its storage) is, or None."""
-    if view.dim() != base.dim():
+    """The box of ``base`` that ``view`` (a tensor over its storage) is, or None. A view may have
+    fewer dims than ``base`` (``param.data[expert]``): a dim it lacks is one row of the box."""
+    if view.dim() > base.dim():
         return None
     offset = view.storage_offset() - base.storage_offset()
+    if offset < 0:
+        return None
     starts = [0] * base.dim()
     for dim in sorted(range(base.dim()), key=lambda d: -base.stride(d)):
-        if view.size(dim) > 1 and view.stride(dim) != base.stride(dim):
-            return None
         if base.stride(dim) > 0 and base.size(dim) > 1:
             starts[dim], offset = divmod(offset, base.stride(dim))
     if offset != 0:
         return None
-    box = tuple((start, start + view.size(dim)) for dim, start in enumerate(starts))
-    if any(stop > base.size(dim) for dim, (_, stop) in enumerate(box)):
+    sizes = [1] * base.dim()
+    dim = 0
+    for v in range(view.dim()):
+        while dim < base.dim() and view.size(v) > 1 and view.stride(v) != base.stride(dim):
+            dim += 1
+        if dim == base.dim():
+            return None
+        sizes[dim] = view.size(v)
+        dim += 1
+    box = tuple((start, start + size) for start, size in zip(starts, sizes))
+    if any(stop > base.size(d) for d, (_, stop) in enumerate(box)):
         return None
     return box
 
