@@ -11,6 +11,7 @@ import torch
 from checkpoints import ground_truth, make_sharded_checkpoint, many_small_tensors
 
 from streamer_client.errors import CheckpointError, ConfigError, SelectionError
+from streamer_client.integrations._engine import safetensors_table
 from streamer_client.integrations.huggingface import from_pretrained
 from streamer_client.integrations.tensorrt_llm import load_groups
 from streamer_client.integrations.vllm import weights_iterator
@@ -42,6 +43,27 @@ def test_weights_iterator_filters_names_in_checkpoint_order(ckpt):
     got = list(weights_iterator(ckpt, name_filter=lambda n: n in keep))
     assert [n for n, _ in got] == keep  # checkpoint order
     assert all(torch.equal(t, truth[n]) and t.device.type == "cpu" for n, t in got)
+
+
+def test_the_tensor_table_of_a_local_checkpoint_is_its_headers(ckpt, tmp_path):
+    from safetensors import safe_open
+
+    want = {}
+    for path in sorted(ckpt.glob("*.safetensors")):
+        with safe_open(path, "pt") as f:
+            for name in f.keys():
+                want[name] = (f.get_slice(name).get_dtype(), tuple(f.get_slice(name).get_shape()))
+    table = safetensors_table(ckpt)
+    assert table == want
+    assert safetensors_table("s3://bucket/model") is None
+    assert safetensors_table(tmp_path / "missing") is None
+    (tmp_path / "empty").mkdir()
+    assert safetensors_table(tmp_path / "empty") is None
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "model.safetensors").write_bytes(b"\x04\x00\x00\x00\x00\x00\x00\x00{no}")
+    with pytest.raises(CheckpointError, match="model.safetensors: not a safetensors header"):
+        safetensors_table(bad)
 
 
 def test_groups_come_complete_in_arrival_order(ckpt):
@@ -158,7 +180,8 @@ before = hwm()
 if mode == "transformers":
     model = transformers.AutoModelForCausalLM.from_pretrained(path)
 else:
-    from streamer_client.integrations.huggingface import from_pretrained
+    from streamer_client.integrations._engine import safetensors_table
+from streamer_client.integrations.huggingface import from_pretrained
     model = from_pretrained(path)
 with torch.no_grad():  # every weight touched: transformers' mmap-ed pages count from here on
     model(torch.tensor([[1, 2, 3]]))

@@ -11,6 +11,7 @@ tests are skipped until ``scripts/vllm-venv`` has run (README: "Real engines").
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import re
@@ -23,6 +24,8 @@ from pathlib import Path
 
 import pytest
 from daemon_harness import DaemonProcess
+
+import streamer_client
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -262,12 +265,21 @@ def assert_loaded_as_vllm_loads(rank: dict) -> None:
     assert rank["requested_bytes"] <= 1.05 * rank["parameter_bytes"], rank["summary"]
 
 
-def test_at_tp2_each_rank_takes_only_its_pieces_with_one_kv_head_replicated(vllm_python, llama, tmp_path):
+@pytest.fixture(scope="module")
+def llama_tp2(vllm_python, llama, tmp_path_factory) -> dict:
+    """The engines' Llama at 2 ranks: vLLM's default loader, and the ranks' pieces (shards-check)."""
+    directory = tmp_path_factory.mktemp("llama-tp2")
+    return {
+        "auto": run_tp2(vllm_python, llama, "auto", directory / "auto"),
+        "shards": run_tp2(vllm_python, llama, "shards-check", directory / "shards"),
+    }
+
+
+def test_at_tp2_each_rank_takes_only_its_pieces_with_one_kv_head_replicated(llama_tp2):
     """The engines' Llama (2 heads, 1 KV head): each rank's q rows, o columns, MLP halves and
     vocabulary half in pieces, k and v whole (both ranks keep the one KV head)."""
-    reference = run_tp2(vllm_python, llama, "auto", tmp_path / "auto")
-    got = run_tp2(vllm_python, llama, "shards-check", tmp_path / "shards")
-    assert got["token_ids"] == reference["token_ids"]
+    got = llama_tp2["shards"]
+    assert got["token_ids"] == llama_tp2["auto"]["token_ids"]
     for r, rank in enumerate(got["ranks"]):
         assert rank["rank"] == r
         assert_loaded_as_vllm_loads(rank)
@@ -286,6 +298,33 @@ def test_at_tp2_each_rank_takes_only_its_pieces_with_one_kv_head_replicated(vllm
         assert rank["marked"]["lm_head.weight"] == "vocabulary rows loader"
         # What the rank keeps, and no more: its halves, the whole KV projections and the norms.
         assert rank["requested_bytes"] == rank["parameter_bytes"]
+
+
+def test_vllm_at_tp2_loads_through_the_daemon_each_rank_with_its_pieces_where_stream_takes_slices(
+    vllm_python, llama, llama_tp2, tmp_path
+):
+    """``--load-format streamer`` at 2 ranks, a local checkpoint through a daemon: the tokens of
+    vLLM's own loader. Where ``stream()`` takes ``slices=``, each rank asks for its pieces (its
+    log line says how many bytes: no more than 1.05 times its parameters); until then, for whole
+    tensors, and says why."""
+    d = DaemonProcess(tmp_path, {"STREAMER_RANK_TIMEOUT_S": "300"}).start()
+    try:
+        out = tmp_path / "streamer.json"
+        env = {**{k: v for k, v in os.environ.items() if k != "STREAMER_SOCKET"}, "STREAMER_REQUIRE_DAEMON": "1"}
+        options = {"session": "vllm-tp2", "socket": str(d.socket)}
+        got = result_of(start_vllm(vllm_python, str(llama), "streamer", out, env, options, {"tensor_parallel_size": 2}), out)
+    finally:
+        d.stop()
+    assert got["token_ids"] == llama_tp2["auto"]["token_ids"]
+    log = out.with_suffix(".log").read_text()
+    if "slices" in inspect.signature(streamer_client.stream).parameters:
+        requested = {int(r): int(b) for r, b in re.findall(r"streamer: tensor-parallel rank (\d): .*?; (\d+) of \d+ bytes", log)}
+        assert sorted(requested) == [0, 1], log[-6000:]
+        for rank in llama_tp2["shards"]["ranks"]:
+            assert requested[rank["rank"]] <= 1.05 * rank["parameter_bytes"]
+    else:
+        assert "streamer: tensor-parallel ranks stream whole tensors: this streamer_client's stream() takes no slices=" in log
+    assert list(d.shm_dir.iterdir()) == []
 
 
 def test_at_tp2_split_kv_heads_biases_a_padded_vocabulary_and_tied_embeddings(vllm_python, wide, tmp_path):

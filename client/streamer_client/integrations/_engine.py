@@ -12,13 +12,14 @@ import json
 import os
 import re
 import socket as _socket
+import struct
 import uuid
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
 
 __all__ = [
     "LOAD_FORMAT",
@@ -28,6 +29,7 @@ __all__ = [
     "config_value",
     "is_object_uri",
     "layer_index",
+    "safetensors_table",
     "select_names",
     "source_uri",
     "torch_all_gather",
@@ -178,3 +180,27 @@ def weight_names(metadata_dir: str | os.PathLike) -> list[str] | None:
         return None
     except (ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"{index} is not a safetensors index: {exc}", key=str(index)) from None
+
+
+def safetensors_table(directory: str | os.PathLike) -> dict[str, tuple[str, tuple[int, ...]]] | None:
+    """``name: (safetensors dtype, shape)`` from the headers of a local checkpoint's
+    ``*.safetensors`` files, file by file in data order; None where ``directory`` is not a local
+    directory holding any (an object-storage URI's headers are read by the service, not here)."""
+    if is_object_uri(directory) or not Path(directory).is_dir():
+        return None
+    files = sorted(Path(directory).glob("*.safetensors"))
+    if not files:
+        return None
+    table: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for path in files:
+        try:
+            with open(path, "rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(size))
+            header.pop("__metadata__", None)
+            entries = sorted(header.items(), key=lambda item: item[1]["data_offsets"][0])
+            for name, entry in entries:
+                table.setdefault(name, (entry["dtype"], tuple(int(d) for d in entry["shape"])))
+        except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
+            raise CheckpointError(f"{path}: not a safetensors header ({exc})", key=str(path)) from None
+    return table

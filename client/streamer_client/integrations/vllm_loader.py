@@ -17,11 +17,20 @@ and tested with it (tests/test_vllm.py).
   (from vLLM's world group), one session key per engine agreed over vLLM's CPU group, and a
   selection without the layers vLLM left out of this rank (pipeline parallel) or the experts of
   other ranks (vLLM's own expert-parallel filter). vLLM's all-weights-loaded check runs after.
+- **Tensor parallel.** Where :func:`streamer_client.stream` takes ``slices=``, a rank of a
+  tensor-parallel engine asks only for the part of each tensor it keeps: a dry run of
+  ``model.load_weights`` on the built model says which (:mod:`.vllm_shards`), the rank streams
+  those names and pieces, and the parameters that take pieces are marked so that vLLM's loaders
+  do not narrow them again; whatever the dry run cannot follow comes whole, as before. It needs
+  the checkpoint's tensor table (dtypes and shapes): read here from a local checkpoint's headers.
 - **Options** in ``model_loader_extra_config``: ``socket``, ``session``, ``budget``, ``borrowed``,
   and ``uri`` (the weights' URI; set for you when ``model`` is one).
 """
 
 from __future__ import annotations
+
+import contextlib
+import inspect
 
 from torch import nn
 from vllm.config import ModelConfig
@@ -33,8 +42,19 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.model_executor.model_loader.ep_weight_filter import should_skip_weight
 
-from .. import pull_metadata
-from ._engine import LOAD_FORMAT, LoaderOptions, NodeRanks, agree_on_node, is_object_uri, select_names, weight_names
+from .. import pull_metadata, stream
+from ..dtypes import torch_layout
+from ._engine import (
+    LOAD_FORMAT,
+    LoaderOptions,
+    NodeRanks,
+    agree_on_node,
+    is_object_uri,
+    safetensors_table,
+    select_names,
+    weight_names,
+)
+from .vllm_shards import ShardPlan, TensorSpec, plan_shards
 from .weights import weights_iterator
 
 # Under "vllm." so that vLLM's own log handler prints it.
@@ -63,15 +83,20 @@ class StreamerModelLoader(BaseModelLoader):
         uri = self.checkpoint_uri(model_config)
         ranks = _node_ranks(self.options.session, uri)
         select = self._selection(model, model_config, uri)
+        shards = self._shards(model, model_config, uri, select)
+        pieces = {}
+        if shards is not None:
+            select, pieces = shards.select, {"slices": shards.slices_argument()}
         logger.info(
             "streamer: rank %d/%d on this node, session %s, %s tensors of %s",
             ranks.rank, ranks.world_size, ranks.session, "all" if select is None else len(select), uri,
         )  # fmt: skip
         weights = weights_iterator(
             uri, rank=ranks.rank, world_size=ranks.world_size, session=ranks.session, select=select,
-            progress=self.load_config.use_tqdm_on_load and ranks.rank == 0, **self.options.stream_kwargs(),
+            progress=self.load_config.use_tqdm_on_load and ranks.rank == 0, **pieces, **self.options.stream_kwargs(),
         )  # fmt: skip
-        loaded = model.load_weights(weights)
+        with shards.loading(model) if shards is not None else contextlib.nullcontext():
+            loaded = model.load_weights(weights)
         # vLLM's own check (DefaultModelLoader's rule): every parameter came from the checkpoint.
         if model_config.quantization is None and loaded is not None:
             DefaultModelLoader.track_weights_loading(self, model, loaded, quantized=False)
@@ -95,6 +120,34 @@ class StreamerModelLoader(BaseModelLoader):
 
         chosen = select_names(names, keep=keep)
         return chosen if len(chosen) < len(names) else None
+
+    def _shards(self, model: nn.Module, model_config: ModelConfig, uri: str, select: list[str] | None) -> ShardPlan | None:
+        """This tensor-parallel rank's pieces of the checkpoint (names and slices), or None: every
+        selected tensor whole, as vLLM's own loaders read them (one rank, or what it needs is missing)."""
+        from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+        if get_tensor_model_parallel_world_size() == 1:
+            return None
+        table = None
+        if "slices" not in inspect.signature(stream).parameters:
+            why = "this streamer_client's stream() takes no slices="
+        elif model_config.quantization is not None:
+            why = f"the checkpoint is quantized ({model_config.quantization})"
+        else:
+            table = safetensors_table(uri)
+            why = f"no tensor table for {uri} (read from a local checkpoint's headers only)"
+        if table is None:
+            logger.info("streamer: tensor-parallel ranks stream whole tensors: %s", why)
+            return None
+        chosen = None if select is None else set(select)
+        tensors = {
+            name: TensorSpec(*torch_layout(dtype, shape))
+            for name, (dtype, shape) in table.items()
+            if chosen is None or name in chosen
+        }
+        plan = plan_shards(model, tensors)
+        logger.info("streamer: tensor-parallel rank %d: %s", get_tensor_model_parallel_rank(), plan.summary())
+        return plan
 
 
 def _node_ranks(session: str | None, uri: str) -> NodeRanks:
