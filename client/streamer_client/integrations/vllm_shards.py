@@ -4,9 +4,9 @@ Under tensor parallelism vLLM hands ``model.load_weights`` full tensors, and eac
 ``weight_loader`` narrows them to the rank's shard as it copies them into its parameter. To ask
 storage for that shard alone, the loader must know it before it streams. It learns it from a dry
 run: ``model.load_weights`` over stand-ins of the checkpoint's tensors (meta tensors: a dtype and a
-shape, no data) under a torch function mode that follows each stand-in through ``narrow`` and basic
-slicing and turns every write into the model's parameters and buffers into a record (:class:`Landing`)
-instead: nothing is written to the model. Each checkpoint tensor is then (:class:`Use`)
+shape, no data) under a torch function mode that follows each stand-in through ``narrow``, basic
+slicing and the size-1 dims ``FusedMoE`` adds and takes away, and turns every write into the model's
+parameters and buffers into a record (:class:`Landing`) instead: nothing is written to the model. Each checkpoint tensor is then (:class:`Use`)
 
 - ``replicated``: the rank uses it whole;
 - ``sliced``: the rank uses pieces ``(dim, start, stop)`` of it, along one dim, in torch dimensions.
@@ -36,8 +36,8 @@ again. In vLLM 0.32.0 the loaders that narrow are of three kinds (:func:`handoff
 Nothing is trusted on its kind alone: a second dry run, with stand-ins cut as storage will cut them
 and the parameters marked, must write exactly the same parts of the same tensors into every
 parameter as the first. A parameter that does not, that has no way to take a pre-sliced tensor, or
-that also loads a tensor streamed whole, gets every one of its tensors whole, and so does every
-other parameter those tensors feed; vLLM then narrows them as usual. The marks are taken off
+that also loads a tensor requested whole as a fallback, gets every one of its tensors whole, and so
+does every other parameter those tensors feed; vLLM then narrows them as usual. The marks are taken off
 again once the rank has loaded (:meth:`ShardPlan.loading`), so a later ``load_weights`` with full
 tensors (a weight update) narrows as vLLM always does.
 
@@ -68,9 +68,10 @@ __all__ = [
     "TensorSpec",
     "TensorUse",
     "Use",
+    "check",
     "handoff_for",
-    "plan_shards",
     "plan_from",
+    "plan_shards",
     "record",
 ]
 
