@@ -180,8 +180,7 @@ before = hwm()
 if mode == "transformers":
     model = transformers.AutoModelForCausalLM.from_pretrained(path)
 else:
-    from streamer_client.integrations._engine import safetensors_table
-from streamer_client.integrations.huggingface import from_pretrained
+    from streamer_client.integrations.huggingface import from_pretrained
     model = from_pretrained(path)
 with torch.no_grad():  # every weight touched: transformers' mmap-ed pages count from here on
     model(torch.tensor([[1, 2, 3]]))
