@@ -178,7 +178,7 @@ def test_vllm_rejects_an_unknown_option_by_name(vllm_python, tmp_path):
     )
 
 
-# --- tensor parallel: each rank's pieces (streamer_client.integrations.vllm_shards) -----------------
+# --- tensor parallel: each rank's pieces (streamer_client.integrations._vllm_shards) -----------------
 
 
 def word_tokenizer(directory: Path, words: int) -> dict[str, int]:

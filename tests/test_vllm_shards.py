@@ -1,4 +1,4 @@
-"""The vLLM adapter's dry run (streamer_client.integrations.vllm_shards) without vLLM: the recorder
+"""The vLLM adapter's dry run (streamer_client.integrations._dry_run, _tensor_use, _vllm_shards) without vLLM: the recorder
 follows stand-ins through the narrows of weight loaders written here the way vLLM's parallel layers
 narrow, writes nothing, and says which part of each checkpoint tensor a rank keeps; the plan hands
 pre-sliced tensors only to parameters whose check run wrote them as the full load does.
@@ -13,17 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from streamer_client.integrations.vllm_shards import (
-    Handoff,
-    Landing,
-    Recording,
-    TensorSpec,
-    TensorUse,
-    Use,
-    plan_from,
-    plan_shards,
-    record,
-)
+from streamer_client.integrations._dry_run import record
+from streamer_client.integrations._tensor_use import Landing, Recording, TensorSpec, TensorUse, Use
+from streamer_client.integrations._vllm_shards import Handoff, plan_from, plan_shards
 
 F32 = torch.float32
 

@@ -10,7 +10,7 @@ spawn, which imports this file again in each: hence the ``__main__`` guard, and 
 below is registered at import, so that every worker has it.
 
 LOAD_FORMAT ``shards-check`` (with ``VLLM_RUN_SHARDS_DIR`` set): vLLM's default loader, then this
-rank's plan from ``streamer_client.integrations.vllm_shards`` loaded over it, from the same files
+rank's plan from ``streamer_client.integrations._vllm_shards`` loaded over it, from the same files
 cut as ``stream(slices=)`` cuts them (the pieces of a tensor concatenated along their dim). Each
 rank writes ``rank<N>.json`` there: the plan, and which parameters differ from vLLM's own load.
 Generation then runs on what the plan loaded.
@@ -74,7 +74,8 @@ def register_shards_check(out_dir: str) -> None:
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
-    from streamer_client.integrations.vllm_shards import TensorSpec, plan_shards
+    from streamer_client.integrations._tensor_use import TensorSpec
+    from streamer_client.integrations._vllm_shards import plan_shards
 
     dtypes = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
     marks = ("tp_rank", "is_sharded_weight", "weight_loader")

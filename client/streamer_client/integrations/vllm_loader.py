@@ -19,7 +19,7 @@ and tested with it (tests/test_vllm.py).
   other ranks (vLLM's own expert-parallel filter). vLLM's all-weights-loaded check runs after.
 - **Tensor parallel.** Where :func:`streamer_client.stream` takes ``slices=``, a rank of a
   tensor-parallel engine asks only for the part of each tensor it keeps: a dry run of
-  ``model.load_weights`` on the built model says which (:mod:`.vllm_shards`), the rank streams
+  ``model.load_weights`` on the built model says which (:mod:`._vllm_shards`), the rank streams
   those names and pieces, and the parameters that take pieces are marked so that vLLM's loaders
   do not narrow them again; whatever the dry run cannot follow comes whole, as before. It needs
   the checkpoint's tensor table (dtypes and shapes): read here from a local checkpoint's headers.
@@ -43,7 +43,7 @@ from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.model_executor.model_loader.ep_weight_filter import should_skip_weight
 
 from .. import pull_metadata, stream
-from ..dtypes import torch_layout
+from .._dtypes import torch_layout
 from ._engine import (
     LOAD_FORMAT,
     LoaderOptions,
@@ -54,7 +54,8 @@ from ._engine import (
     select_names,
     weight_names,
 )
-from .vllm_shards import ShardPlan, TensorSpec, plan_shards
+from ._tensor_use import TensorSpec
+from ._vllm_shards import ShardPlan, plan_shards
 from .weights import weights_iterator
 
 # Under "vllm." so that vLLM's own log handler prints it.
