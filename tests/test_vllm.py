@@ -11,7 +11,6 @@ tests are skipped until ``scripts/vllm-venv`` has run (README: "Real engines").
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import re
@@ -24,8 +23,6 @@ from pathlib import Path
 
 import pytest
 from daemon_harness import DaemonProcess
-
-import streamer_client
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
@@ -300,30 +297,28 @@ def test_at_tp2_each_rank_takes_only_its_pieces_with_one_kv_head_replicated(llam
         assert rank["requested_bytes"] == rank["parameter_bytes"]
 
 
-def test_vllm_at_tp2_loads_through_the_daemon_each_rank_with_its_pieces_where_stream_takes_slices(
-    vllm_python, llama, llama_tp2, tmp_path
-):
-    """``--load-format streamer`` at 2 ranks, a local checkpoint through a daemon: the tokens of
-    vLLM's own loader. Where ``stream()`` takes ``slices=``, each rank asks for its pieces (its
-    log line says how many bytes: no more than 1.05 times its parameters); until then, for whole
-    tensors, and says why."""
+def test_vllm_at_tp2_loads_each_rank_with_its_pieces_through_the_daemon(vllm_python, llama, llama_tp2, tmp_path):
+    """``--load-format streamer`` at 2 ranks, a local checkpoint through a daemon: each rank asks
+    for its pieces (its log line says how many bytes: those of its parameters), and the greedy
+    tokens are those of vLLM's own loader (a rank handed another rank's rows would not be)."""
     d = DaemonProcess(tmp_path, {"STREAMER_RANK_TIMEOUT_S": "300"}).start()
     try:
         out = tmp_path / "streamer.json"
         env = {**{k: v for k, v in os.environ.items() if k != "STREAMER_SOCKET"}, "STREAMER_REQUIRE_DAEMON": "1"}
         options = {"session": "vllm-tp2", "socket": str(d.socket)}
         got = result_of(start_vllm(vllm_python, str(llama), "streamer", out, env, options, {"tensor_parallel_size": 2}), out)
+        (session,) = d.finished(1)
     finally:
         d.stop()
     assert got["token_ids"] == llama_tp2["auto"]["token_ids"]
     log = out.with_suffix(".log").read_text()
-    if "slices" in inspect.signature(streamer_client.stream).parameters:
-        requested = {int(r): int(b) for r, b in re.findall(r"streamer: tensor-parallel rank (\d): .*?; (\d+) of \d+ bytes", log)}
-        assert sorted(requested) == [0, 1], log[-6000:]
-        for rank in llama_tp2["shards"]["ranks"]:
-            assert requested[rank["rank"]] <= 1.05 * rank["parameter_bytes"]
-    else:
-        assert "streamer: tensor-parallel ranks stream whole tensors: this streamer_client's stream() takes no slices=" in log
+    requested = {int(r): int(b) for r, b in re.findall(r"streamer: tensor-parallel rank (\d): .*?; (\d+) of \d+ bytes", log)}
+    assert sorted(requested) == [0, 1], log[-6000:]
+    for rank in llama_tp2["shards"]["ranks"]:
+        assert requested[rank["rank"]] == rank["parameter_bytes"]
+    assert session["state"] == "done"
+    # The node read each tensor byte once for both ranks.
+    assert session["bytes_read"] == sum(end - start for start, end in data_regions(llama).values())
     assert list(d.shm_dir.iterdir()) == []
 
 

@@ -17,8 +17,8 @@ and tested with it (tests/test_vllm.py).
   (from vLLM's world group), one session key per engine agreed over vLLM's CPU group, and a
   selection without the layers vLLM left out of this rank (pipeline parallel) or the experts of
   other ranks (vLLM's own expert-parallel filter). vLLM's all-weights-loaded check runs after.
-- **Tensor parallel.** Where :func:`streamer_client.stream` takes ``slices=``, a rank of a
-  tensor-parallel engine asks only for the part of each tensor it keeps: a dry run of
+- **Tensor parallel.** A rank of a tensor-parallel engine asks :func:`streamer_client.stream`
+  (``slices=``) only for the part of each tensor it keeps: a dry run of
   ``model.load_weights`` on the built model says which (:mod:`._vllm_shards`), the rank streams
   those names and pieces, and the parameters that take pieces are marked so that vLLM's loaders
   do not narrow them again; whatever the dry run cannot follow comes whole, as before. It needs
@@ -30,7 +30,6 @@ and tested with it (tests/test_vllm.py).
 from __future__ import annotations
 
 import contextlib
-import inspect
 
 from torch import nn
 from vllm.config import ModelConfig
@@ -42,7 +41,7 @@ from vllm.model_executor.model_loader.base_loader import BaseModelLoader
 from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 from vllm.model_executor.model_loader.ep_weight_filter import should_skip_weight
 
-from .. import pull_metadata, stream
+from .. import pull_metadata
 from .._dtypes import torch_layout
 from ._engine import (
     LOAD_FORMAT,
@@ -130,9 +129,7 @@ class StreamerModelLoader(BaseModelLoader):
         if get_tensor_model_parallel_world_size() == 1:
             return None
         table = None
-        if "slices" not in inspect.signature(stream).parameters:
-            why = "this streamer_client's stream() takes no slices="
-        elif model_config.quantization is not None:
+        if model_config.quantization is not None:
             why = f"the checkpoint is quantized ({model_config.quantization})"
         else:
             table = safetensors_table(uri)
