@@ -143,8 +143,15 @@ class StreamerModelLoader(BaseModelLoader):
             for name, (dtype, shape) in table.items()
             if chosen is None or name in chosen
         }
-        plan = plan_shards(model, tensors)
-        logger.info("streamer: tensor-parallel rank %d: %s", get_tensor_model_parallel_rank(), plan.summary())
+        rank = get_tensor_model_parallel_rank()
+        try:
+            plan = plan_shards(model, tensors)
+        except Exception as exc:  # noqa: BLE001 (a plan that fails costs bytes, not the load)
+            logger.warning(
+                "streamer: tensor-parallel rank %d streams whole tensors: its plan failed (%s: %s)", rank, type(exc).__name__, exc
+            )
+            return None
+        logger.info("streamer: tensor-parallel rank %d: %s", rank, plan.summary())
         return plan
 
 
