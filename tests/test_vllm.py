@@ -72,11 +72,36 @@ def start_vllm(
     tp = engine.get("tensor_parallel_size", 1)
     if tp > 1:  # one core per rank: vLLM's CPU worker binds its OpenMP threads to these
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
-    return subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
+    shm_before = set(SHM.glob(VLLM_SHM))
+    proc = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT)
+    proc.shm_before = shm_before  # type: ignore[attr-defined]
+    return proc
+
+
+# vLLM's CPU workers at TP > 1 share a file /dev/shm/vllm_dist_<id>-...-cpushm_<rank>, which they
+# leave behind when vLLM kills them at shutdown.
+SHM, VLLM_SHM = Path("/dev/shm"), "vllm_dist_*-cpushm_*"
+
+
+def remove_vllm_shm(before: set[Path]) -> None:
+    """Removes the vLLM shm files made since ``before`` that no process maps any more."""
+    made = set(SHM.glob(VLLM_SHM)) - before
+    if not made:
+        return
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            mapped.update(re.findall(r"/dev/shm/(\S+)", maps.read_text()))
+        except OSError:
+            continue
+    for path in made:
+        if path.name not in mapped:
+            path.unlink(missing_ok=True)
 
 
 def result_of(proc: subprocess.Popen, out: Path) -> dict:
     proc.wait(timeout=600)
+    remove_vllm_shm(proc.shm_before)
     assert proc.returncode == 0, out.with_suffix(".log").read_text()[-6000:]
     return json.loads(out.read_text())
 
