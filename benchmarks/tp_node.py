@@ -682,6 +682,8 @@ def orchestrate(args) -> int:
     load_at_start = os.getloadavg()[0]  # a machine shared with other work: its load says how noisy the walls are
     print(header[0], flush=True)
     work = Path(tempfile.mkdtemp(prefix="tp-node-", dir=args.disk_dir))
+    # The daemons' roots (their sockets) in a short path of their own: AF_UNIX paths are short.
+    sockets = Path(tempfile.mkdtemp(prefix="tp-node-"))
     daemons: dict[str, ChildDaemon] = {}
     try:
         directory = work / "ckpt"
@@ -719,7 +721,7 @@ def orchestrate(args) -> int:
         for key in ("STREAMER_SOCKET", "STREAMER_SHM_DIR", "RUNAI_STREAMER_FS_STRATEGY", "STREAMER_RETENTION_BUDGET"):
             base.pop(key, None)
         for name in sorted({r.daemon for r in rows if r.daemon}):
-            root = work / f"daemon-{name}"
+            root = sockets / name
             root.mkdir()
             env = {"PYTHONPATH": base["PYTHONPATH"], "STREAMER_CACHE_DIR": str(root / "cache")}
             if name == "retain":
@@ -797,6 +799,7 @@ def orchestrate(args) -> int:
         for daemon in daemons.values():
             daemon.close()
         shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(sockets, ignore_errors=True)
 
 
 if __name__ == "__main__":
