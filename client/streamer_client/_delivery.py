@@ -91,25 +91,38 @@ def copy_to_cpu(
     sizes)`` arrays, :meth:`streamer_client._slicing.Cut.runs`), copied on the native copier's
     threads; ``fault(i)``: the error of item ``i`` whose source hit SIGBUS."""
     outs = [empty(item[1], item[2], torch.device("cpu")) for item in items]
-    dsts, srcs, sizes, index = [], [], [], []  # per item: arrays of its copies, and its number
+    # One copy per whole item, in lists; a gathered item's runs stay arrays (a slice of a later
+    # dimension has one run per row), joined to the lists only where there are some.
+    dst: Sequence[int] = []
+    src: Sequence[int] = []
+    size: Sequence[int] = []
+    index: Sequence[int] = []  # the item of each copy
+    runs_dst, runs_src, runs_size, runs_index = [], [], [], []
     for i, (item, out) in enumerate(zip(items, outs)):
         view = item[0]
         runs = item[3] if len(item) > 3 else None
         if runs is None:
-            offsets, lengths = np.zeros(1, np.int64), np.array([view.nbytes], np.int64)
-        else:
+            if view.nbytes:
+                dst.append(out.data_ptr())
+                src.append(view.ctypes.data)
+                size.append(view.nbytes)
+                index.append(i)
+        elif len(runs[1]):
             offsets, lengths = runs
-        if not lengths.sum():
-            continue
-        dsts.append(out.data_ptr() + np.cumsum(lengths) - lengths)
-        srcs.append(view.ctypes.data + offsets)
-        sizes.append(lengths)
-        index.append(np.full(len(lengths), i))
-    if not sizes:
+            runs_dst.append(out.data_ptr() + np.cumsum(lengths) - lengths)
+            runs_src.append(view.ctypes.data + offsets)
+            runs_size.append(lengths)
+            runs_index.append(np.full(len(lengths), i))
+    if runs_size:
+        dst = np.concatenate([np.array(dst, np.int64), *runs_dst]).astype(np.uint64)
+        src = np.concatenate([np.array(src, np.int64), *runs_src]).astype(np.uint64)
+        size = np.concatenate([np.array(size, np.int64), *runs_size]).astype(np.uint64)
+        index = np.concatenate([np.array(index, np.int64), *runs_index])
+    total = int(sum(size)) if isinstance(size, list) else int(size.sum())
+    if not total:
         return outs
-    dst, src, size = (np.concatenate(v).astype(np.uint64) for v in (dsts, srcs, sizes))
     if copier.available():
-        if int(size.sum()) >= _NATIVE_MIN_BYTES:
+        if total >= _NATIVE_MIN_BYTES:
             for out in outs:
                 nbytes = out.numel() * out.element_size()
                 if nbytes >= _HUGE_MIN_BYTES:
@@ -118,10 +131,10 @@ def copy_to_cpu(
         else:
             failed = copier.copy_here(dst, src, size)
         if failed >= 0:
-            raise fault(int(np.concatenate(index)[failed]))
+            raise fault(int(index[failed]))
     else:  # no native copier: nothing to guard a copy with
-        for d, s_, n in zip(dst.tolist(), src.tolist(), size.tolist()):
-            _memmove(d, s_, n)
+        for d, s_, n in zip(dst, src, size):
+            _memmove(int(d), int(s_), int(n))
     return outs
 
 
