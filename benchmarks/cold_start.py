@@ -369,7 +369,13 @@ def spawn(row: Row, directory: Path, truth: Path, env: dict, rank: int, session:
         cmd.append("--reserve")
     if row.checkout is not None:  # its packages first on the path, before this checkout's
         env = dict(env, PYTHONPATH=os.pathsep.join([str(row.checkout / "client"), str(row.checkout), env["PYTHONPATH"]]))
-    # stderr to a file: -X importtime writes thousands of lines before the worker is ready.
+    return start_worker(cmd, env)
+
+
+def start_worker(cmd: list[str], env: dict) -> subprocess.Popen:
+    """A worker process that says ``ready`` on stdout, waits for ``go`` on stdin, and ends with a
+    ``result <json>`` line; its stderr to a file (``-X importtime`` writes thousands of lines
+    before the worker is ready). :func:`released_together` runs a group of them."""
     stderr = tempfile.TemporaryFile("w+")
     proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True)
     proc.stderr_file = stderr
@@ -381,36 +387,46 @@ def _stderr(proc: subprocess.Popen) -> str:
     return proc.stderr_file.read()
 
 
-def run_row(row: Row, directory: Path, truth: Path, env: dict, session: str, reloads: int,
-            profile_out: Path | None = None, importtime: bool = False) -> list[list[dict]]:  # fmt: skip
-    """One go of a row: ``world`` fresh processes, started together once every one is ready.
-    With ``importtime``, each process's loads carry ``import_s``: what its first load imported."""
-    procs = [spawn(row, directory, truth, env, r, session, reloads, profile_out, importtime) for r in range(row.world)]
+def released_together(procs: list[subprocess.Popen], name: str, timeout: float) -> list[tuple[object, str]]:
+    """Wait until every worker of ``procs`` (:func:`start_worker`) is ready, release them with one
+    ``go`` each, and return each one's last result with its stderr, in order; ``SystemExit``
+    naming ``name`` where one did not start or failed. None of them is left running."""
     try:
         for p in procs:
-            line = p.stdout.readline().strip()
-            if line != "ready":
+            if p.stdout.readline().strip() != "ready":
                 p.wait(timeout=60)
-                raise SystemExit(f"{row.name}: a worker did not start:\n{_stderr(p)[-3000:]}")
+                raise SystemExit(f"{name}: a worker did not start:\n{_stderr(p)[-3000:]}")
         for p in procs:
             p.stdin.write("go\n")
             p.stdin.flush()
         out = []
         for p in procs:
-            stdout, _ = p.communicate(timeout=300)
+            stdout, _ = p.communicate(timeout=timeout)
             stderr = _stderr(p)
             result = [line for line in stdout.splitlines() if line.startswith("result ")]
             if p.returncode != 0 or not result:
-                raise SystemExit(f"{row.name}: a worker failed ({p.returncode}):\n{stderr[-3000:]}")
-            out.append(json.loads(result[-1][len("result ") :]))
-            if importtime:
-                out[-1][0]["import_s"] = imported_seconds(stderr)
+                raise SystemExit(f"{name}: a worker failed ({p.returncode}):\n{stderr[-3000:]}")
+            out.append((json.loads(result[-1][len("result ") :]), stderr))
         return out
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+                p.wait()
             p.stderr_file.close()
+
+
+def run_row(row: Row, directory: Path, truth: Path, env: dict, session: str, reloads: int,
+            profile_out: Path | None = None, importtime: bool = False) -> list[list[dict]]:  # fmt: skip
+    """One go of a row: ``world`` fresh processes, started together once every one is ready.
+    With ``importtime``, each process's loads carry ``import_s``: what its first load imported."""
+    procs = [spawn(row, directory, truth, env, r, session, reloads, profile_out, importtime) for r in range(row.world)]
+    out = []
+    for result, stderr in released_together(procs, row.name, timeout=300):
+        if importtime:
+            result[0]["import_s"] = imported_seconds(stderr)
+        out.append(result)
+    return out
 
 
 IMPORT_MARK = "cold-start: go"

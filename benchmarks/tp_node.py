@@ -68,6 +68,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+if str(Path(__file__).resolve().parent) not in sys.path:  # imported by file (the tests), not run from here
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from cold_start import released_together, start_worker  # noqa: E402  (one way to run fresh workers for both scripts)
+
 GB = 1e9
 GIB = 2**30
 MIB = 2**20
@@ -441,42 +446,13 @@ def spawn(row: Row, args, env: dict, rank: int, session: str, shapes: Path, dire
            "--rank", str(rank), "--world", str(args.ranks), "--session", session, "--device", args.device]  # fmt: skip
     if not args.check:
         cmd.append("--no-check")
-    stderr = tempfile.TemporaryFile("w+")
-    proc = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True)
-    proc.stderr_file = stderr
-    return proc
-
-
-def _stderr(proc: subprocess.Popen) -> str:
-    proc.stderr_file.seek(0)
-    return proc.stderr_file.read()
+    return start_worker(cmd, env)
 
 
 def run_row(row: Row, args, env: dict, session: str, shapes: Path, directory: Path) -> list[dict]:
     """One go of a row: ``--ranks`` fresh processes, released together once every one is ready."""
     procs = [spawn(row, args, env, r, session, shapes, directory) for r in range(args.ranks)]
-    try:
-        for p in procs:
-            if p.stdout.readline().strip() != "ready":
-                p.wait(timeout=60)
-                raise SystemExit(f"{row.key}: a rank did not start:\n{_stderr(p)[-3000:]}")
-        for p in procs:
-            p.stdin.write("go\n")
-            p.stdin.flush()
-        out = []
-        for p in procs:
-            stdout, _ = p.communicate(timeout=args.timeout)
-            result = [line for line in stdout.splitlines() if line.startswith("result ")]
-            if p.returncode != 0 or not result:
-                raise SystemExit(f"{row.key}: a rank failed ({p.returncode}):\n{_stderr(p)[-3000:]}")
-            out.append(json.loads(result[-1][len("result ") :]))
-        return out
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            p.stderr_file.close()
+    return [result for result, _ in released_together(procs, row.key, timeout=args.timeout)]
 
 
 def daemon_delta(before, after) -> dict:
