@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-__all__ = ["Cut", "Slice", "Slices", "cut", "cuts", "parse", "take", "to_wire"]
+__all__ = ["Cut", "Slice", "Slices", "cut", "cuts", "kept_bytes", "parse", "take", "to_wire"]
 
 Slice = tuple[int, int, int]
 """``(dim, start, stop)``: what a caller writes for one piece."""
@@ -43,6 +43,7 @@ class _Tensor(Protocol):
     name: str
     dtype: str
     shape: Sequence[int]
+    nbytes: int
 
 
 class Cut(NamedTuple):
@@ -62,8 +63,15 @@ class Cut(NamedTuple):
     @property
     def header_shape(self) -> tuple[int, ...]:
         """:attr:`shape` counted as a safetensors header counts it (a packed dtype's last dimension in values)."""
-        shape = self.shape
-        return (*shape[:-1], shape[-1] * self.packed) if self.packed > 1 else shape
+        return self._in_values(self.shape)
+
+    @property
+    def header_dims(self) -> tuple[int, ...]:
+        """:attr:`dims` (the whole tensor's) counted as a safetensors header counts them."""
+        return self._in_values(self.dims)
+
+    def _in_values(self, dims: tuple[int, ...]) -> tuple[int, ...]:
+        return (*dims[:-1], dims[-1] * self.packed) if self.packed > 1 else dims
 
     @property
     def nbytes(self) -> int:
@@ -187,6 +195,12 @@ def cuts(tensors: Sequence[_Tensor], slices: Slices | None, *, uri: str | None =
         if not c.whole:
             found[name] = c
     return found
+
+
+def kept_bytes(tensors: Sequence[_Tensor], cuts: Mapping[str, Cut]) -> int:
+    """The bytes a load of ``tensors`` yields where ``cuts`` cut some of them (``tensors``' own
+    ``nbytes`` for the rest)."""
+    return sum(cuts[t.name].nbytes if t.name in cuts else t.nbytes for t in tensors)
 
 
 def take(tensor: torch.Tensor, c: Cut, *, view: bool = False) -> torch.Tensor:

@@ -23,11 +23,10 @@ def sliced(tensors: Sequence[TensorInfo], cuts: dict[str, Cut]) -> tuple[list[Te
         if c is None:
             narrowed.append(t)
             continue
-        first, stop = c.span()
+        first, _ = c.span()
         inner = c.within(first)
         row = t.nbytes // c.dims[0] if c.dims[0] else 0
-        narrowed.append(t._replace(shape=inner._replace(pieces=((0, stop - first),), dim=0).header_shape,
-                                   offset=t.offset + first * row, nbytes=(stop - first) * row))  # fmt: skip
+        narrowed.append(t._replace(shape=inner.header_dims, offset=t.offset + first * row, nbytes=inner.dims[0] * row))
         if not inner.whole:
             within[t.name] = inner
     return narrowed, within

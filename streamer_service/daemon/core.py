@@ -262,7 +262,7 @@ class Daemon:
         have = WITH_TORCH_DTYPE if dtypes is None else frozenset(dtypes)
         check_loadable(chosen, uri=parsed.normalized, have=have, whose=f"rank {rank}'s torch")
         kept = slicing.cuts(chosen, slicing.parse(slices), uri=parsed.normalized)
-        return parsed, checkpoint, chosen, sum(kept[t.name].nbytes if t.name in kept else t.nbytes for t in chosen)
+        return parsed, checkpoint, chosen, slicing.kept_bytes(chosen, kept)
 
     @contextlib.contextmanager
     def _opening_lock(self, cache_key: str) -> Iterator[None]:

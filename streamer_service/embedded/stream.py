@@ -8,6 +8,7 @@ import torch
 
 from streamer_client._progress import track
 from streamer_client._request import StreamRequest
+from streamer_client._slicing import kept_bytes
 
 from ..checkpoint.open import open_checkpoint
 from ..checkpoint.versions import ObjectVersions
@@ -33,5 +34,5 @@ def stream(request: StreamRequest, settings: Settings) -> Iterator[tuple[str, to
     tensors = engine.stream(plan, device=request.device, borrowed=request.borrowed)
     if request.progress == "off":
         return tensors
-    total = sum(plan.cuts[t.name].nbytes if t.name in plan.cuts else t.nbytes for t in plan.tensors)
+    total = kept_bytes(plan.tensors, plan.cuts)
     return track(tensors, total=total, desc=checkpoint.uri.normalized, mode=request.progress)
